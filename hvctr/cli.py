@@ -1,0 +1,57 @@
+"""The ``hvctr`` command: parses, then hands over to the module that owns the subcommand.
+
+    mpirun -np 2 --bind-to none python -m mpi4py -m hvctr train --config run.toml --merge.every_k_steps=8
+
+Each subcommand is ``(help, add_arguments, run)``; ``run(args, overrides)`` returns an exit
+code. Config overrides are the ``--section.key=value`` flags argparse did not consume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+import hvctr
+
+# name -> (module, one-line help). The module provides add_arguments(parser) and run(args, overrides).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("hvctr.config_cmd", "print the resolved configuration (defaults < file < flags) as TOML"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hvctr",
+        description="Terabyte-scale CTR training: SSD/CPU/GPU embedding tiers, k-step Adam merging over Horovod.",
+        epilog="Config overrides: any --section.key=value flag, e.g. --merge.every_k_steps=8.",
+    )
+    parser.add_argument("--version", action="version", version=f"hvctr {hvctr.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    bad = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0] and "=" in a)]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are --section.key=value)")
+    run: Callable[[argparse.Namespace, list[str]], int] = importlib.import_module(COMMANDS[args.command][0]).run
+    try:
+        return run(args, rest)
+    except ValueError as e:  # user errors: bad config, bad input; a message, not a traceback
+        print(f"hvctr {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,352 @@
+"""Run configuration: one frozen dataclass per concern, loaded from TOML, overridden by flags.
+
+Precedence is flags > TOML file > defaults. Every component receives only its own section
+(``cfg.storage`` goes to the store, ``cfg.merge`` to the merger), so a section's fields are
+the whole interface between the user and that component.
+
+    cfg = load_config("run.toml", ["--merge.every_k_steps=8", "--storage.cpu_cache_bytes=1e9"])
+
+Unknown sections or keys and values of the wrong type are a ValueError that names the key
+and lists what would have been valid; nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+
+class MergeMode(str, enum.Enum):
+    KSTEP = "kstep"  # local Adam, parameters (and the states merge.states names) averaged every k steps
+    SYNC = "sync"  # synchronous Adam: gradients reduced every step; the baseline
+
+
+class MergeStates(str, enum.Enum):
+    PARAMS = "params"
+    PARAMS_V = "params+v"
+    PARAMS_M_V = "params+m+v"
+
+
+class Compression(str, enum.Enum):
+    NONE = "none"
+    FP16 = "fp16"
+
+
+class CachePolicy(str, enum.Enum):
+    LRU = "lru"
+    LFU = "lfu"  # LFU with aging: counts halve every storage.lfu_aging_lookups lookups
+
+
+class ModelArch(str, enum.Enum):
+    DNN = "dnn"
+    DEEPFM = "deepfm"
+    WDL = "wdl"  # Wide & Deep
+
+
+class Device(str, enum.Enum):
+    AUTO = "auto"  # cuda:<local GPU> when CUDA is available, else cpu
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    hwmap: str = ""  # hardware map TOML (slurm/hwmaps/); empty: no binding, no placement
+    bind: bool = True  # apply the plan in-process (affinity, memory policy, threads)
+    threads_per_rank: int = 0  # 0: the plan's share of the NUMA node's cpus
+    hierarchical_allreduce: bool = False  # dense merge: reduce inside the node, then across nodes
+    ranks_per_virtual_node: int = 0  # >0: group ranks into virtual nodes of this size (testing)
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    dim: int = 16  # embedding dimension D; a row holds 3 * (D + 1) + 1 float32
+    shard_dir: str = ""  # working shards; empty: <run_dir>/shards (or the plan's SSD directory)
+    rows_per_rank: int = 1 << 20  # capacity of each rank's SSD shard, in rows
+    max_load_factor: float = 0.8  # the shard is full (an error) past this fraction of its slots
+    cpu_cache_bytes: int = 256 << 20  # the CPU cache's budget of anonymous memory, per rank
+    cache_policy: CachePolicy = CachePolicy.LFU
+    lfu_aging_lookups: int = 1 << 22  # LFU counts halve after this many key lookups
+    max_working_set_rows: int = 1 << 21  # bound of a window's unique rows; the window shrinks to fit
+    admit_after: int = 0  # a key seen fewer times is not stored: it reads the shared default row
+    ttl_passes: int = 0  # rows unseen for this many passes are dropped at compaction; 0: never
+    init_scale: float = 0.01  # new rows: w, w1 uniform in [-init_scale, init_scale), from the key
+    seed: int = 2024  # seeds of the slot hash and of row initialisation
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    mode: MergeMode = MergeMode.KSTEP
+    every_k_steps: int = 4  # k: local steps between merges (the window length)
+    states: MergeStates = MergeStates.PARAMS_M_V  # dense Adam states averaged with the parameters
+    compression: Compression = Compression.NONE  # fp16 on the wire; never applied to Adam's v
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: ModelArch = ModelArch.DNN
+    hidden: tuple[int, ...] = (512, 256)  # MLP hidden layers; the output layer (1) is added
+    num_dense: int = 13
+    num_fields: int = 26
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_dir: str = ""  # data_prep output (its manifest.json and shards)
+    valid_dir: str = ""  # empty: the validation split of train_dir
+    batch_size_per_rank: int = 4096
+    prefetch: bool = True  # read and warm window t+1 while window t trains
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run_dir: str = "runs/default"
+    epochs: int = 1
+    max_steps: int = 0  # stop after this many steps per rank; 0: run the epochs
+    dense_lr: float = 1e-3
+    sparse_lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    seed: int = 1234  # dense parameter init; identical on every rank
+    device: Device = Device.AUTO
+    threads: int = 0  # torch threads per rank; 0: the placement plan's, else 1
+    queue_timeout_s: float = 600.0  # prefetch queue waits; a hung reader becomes an error
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_windows: int = 0  # 0: only at the end of training
+    keep: int = 3  # newest complete checkpoints kept
+    compact_every: int = 4  # write a new base every this many checkpoints
+    dir: str = ""  # empty: <run_dir>/checkpoints
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    log_every_steps: int = 20
+    all_ranks: bool = False  # every rank prints, not only rank 0
+    auc_buckets: int = 1 << 16  # histogram buckets for AUC (error well under 1e-3)
+
+
+@dataclass(frozen=True)
+class Config:
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+# Loading -------------------------------------------------------------------------------
+
+
+def _sections() -> dict[str, type]:
+    return typing.get_type_hints(Config)
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Turns a TOML value (or a flag's string) into the field's type, or raises naming the key."""
+    origin = typing.get_origin(typ)
+    if isinstance(typ, type) and issubclass(typ, enum.Enum):
+        valid = [m.value for m in typ]
+        if isinstance(value, typ):
+            return value
+        if isinstance(value, str) and value in valid:
+            return typ(value)
+        raise ValueError(f"config key {key!r}: {value!r} is not one of {valid}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"config key {key!r}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ValueError(f"config key {key!r}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # 1e9 bytes written as a float
+        if isinstance(value, str):
+            try:
+                f = float(value.replace("_", ""))
+            except ValueError:
+                f = None
+            if f is not None and f.is_integer():
+                return int(f)
+        raise ValueError(f"config key {key!r}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"config key {key!r}: expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"config key {key!r}: expected a string, got {value!r}")
+    if origin is tuple:
+        (elem, _ellipsis) = typing.get_args(typ)
+        if isinstance(value, str):
+            value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config key {key!r}: expected a list, got {value!r}")
+        return tuple(_coerce(key, v.strip() if isinstance(v, str) else v, elem) for v in value)
+    raise TypeError(f"unsupported config type {typ} for {key}")  # a bug in this module
+
+
+def _apply(tree: dict[str, dict[str, Any]], section: str, key: str, value: Any, where: str) -> None:
+    sections = _sections()
+    if section not in sections:
+        raise ValueError(f"{where}: unknown config section {section!r}; valid sections: {sorted(sections)}")
+    types_ = _field_types(sections[section])
+    if key not in types_:
+        raise ValueError(
+            f"{where}: unknown config key '{section}.{key}'; valid keys of [{section}]: {sorted(types_)}"
+        )
+    tree.setdefault(section, {})[key] = _coerce(f"{section}.{key}", value, types_[key])
+
+
+def parse_overrides(flags: Iterable[str]) -> list[tuple[str, str, str]]:
+    """``--merge.every_k_steps=8`` -> ("merge", "every_k_steps", "8")."""
+    out = []
+    for flag in flags:
+        body = flag[2:] if flag.startswith("--") else flag
+        if "=" not in body or "." not in body.split("=", 1)[0]:
+            raise ValueError(f"config override {flag!r}: expected --section.key=value")
+        dotted, value = body.split("=", 1)
+        section, key = dotted.split(".", 1)
+        out.append((section, key, value))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    tree: dict[str, dict[str, Any]] = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path}: {e}") from None
+        for section, body in raw.items():
+            if not isinstance(body, dict):
+                raise ValueError(f"{path}: top-level key {section!r} must be a [section]; valid: {sorted(_sections())}")
+            for key, value in body.items():
+                _apply(tree, section, key, value, str(path))
+    for section, key, value in parse_overrides(overrides):
+        _apply(tree, section, key, value, "command line")
+    return from_dict(tree)
+
+
+def from_dict(tree: Mapping[str, Mapping[str, Any]]) -> Config:
+    sections = _sections()
+    checked: dict[str, dict[str, Any]] = {}
+    for section, body in tree.items():
+        for key, value in body.items():
+            _apply(checked, section, key, value, "config")
+    return Config(**{name: cls(**checked.get(name, {})) for name, cls in sections.items()})
+
+
+def replace(cfg: Config, **sections: Mapping[str, Any]) -> Config:
+    """A copy of cfg with some keys changed: ``replace(cfg, merge={"every_k_steps": 8})``."""
+    tree = to_dict(cfg)
+    for section, body in sections.items():
+        tree.setdefault(section, {}).update(body)
+    return from_dict(tree)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    def plain(v: Any) -> Any:
+        if isinstance(v, enum.Enum):
+            return v.value
+        if isinstance(v, tuple):
+            return list(v)
+        return v
+
+    return {s.name: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, s.name)).items()}
+            for s in dataclasses.fields(cfg)}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{s}"'
+
+
+def to_toml(cfg: Config) -> str:
+    lines = ["# resolved hvctr configuration (defaults < file < flags)"]
+    for section, body in to_dict(cfg).items():
+        lines.append(f"\n[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in body.items())
+    return "\n".join(lines) + "\n"
+
+
+def write_toml(cfg: Config, path: str | Path) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(to_toml(cfg))
+    tmp.replace(path)
+
+
+# Validation ----------------------------------------------------------------------------
+
+
+def _require(ok: bool, key: str, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"config key {key!r}: {msg}")
+
+
+def _validate(cfg: Config) -> None:
+    s, m, d, t = cfg.storage, cfg.merge, cfg.data, cfg.train
+    _require(s.dim >= 1, "storage.dim", f"must be >= 1, got {s.dim}")
+    _require(s.rows_per_rank >= 16, "storage.rows_per_rank", f"must be >= 16, got {s.rows_per_rank}")
+    _require(0.05 <= s.max_load_factor <= 0.95, "storage.max_load_factor", f"must be in [0.05, 0.95], got {s.max_load_factor}")
+    _require(s.cpu_cache_bytes >= 0, "storage.cpu_cache_bytes", f"must be >= 0, got {s.cpu_cache_bytes}")
+    _require(s.admit_after >= 0, "storage.admit_after", f"must be >= 0, got {s.admit_after}")
+    _require(s.ttl_passes >= 0, "storage.ttl_passes", f"must be >= 0, got {s.ttl_passes}")
+    _require(m.every_k_steps >= 1, "merge.every_k_steps", f"must be >= 1, got {m.every_k_steps}")
+    _require(d.batch_size_per_rank >= 1, "data.batch_size_per_rank", f"must be >= 1, got {d.batch_size_per_rank}")
+    per_batch = d.batch_size_per_rank * cfg.model.num_fields
+    _require(
+        s.max_working_set_rows >= per_batch,
+        "storage.max_working_set_rows",
+        f"{s.max_working_set_rows} is smaller than one batch can touch "
+        f"(data.batch_size_per_rank * model.num_fields = {per_batch}); raise it",
+    )
+    _require(all(h >= 1 for h in cfg.model.hidden), "model.hidden", f"layer sizes must be >= 1, got {cfg.model.hidden}")
+    _require(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
+    _require(t.max_steps >= 0, "train.max_steps", f"must be >= 0, got {t.max_steps}")
+    for k in ("dense_lr", "sparse_lr", "eps"):
+        _require(getattr(t, k) > 0, f"train.{k}", f"must be > 0, got {getattr(t, k)}")
+    for k in ("beta1", "beta2"):
+        _require(0 <= getattr(t, k) < 1, f"train.{k}", f"must be in [0, 1), got {getattr(t, k)}")
+    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
+    _require(cfg.checkpoint.every_windows >= 0, "checkpoint.every_windows", "must be >= 0")
+    _require(cfg.checkpoint.compact_every >= 1, "checkpoint.compact_every", "must be >= 1")
+    _require(cfg.metrics.log_every_steps >= 1, "metrics.log_every_steps", "must be >= 1")

@@ -1,0 +1,200 @@
+"""Comm: rank, size and the collectives hvctr uses, over Horovod (MPI or Gloo controller).
+
+Rank and size are asked of Horovod, never read from the environment: mpirun sets
+OMPI_COMM_WORLD_*, ``srun --mpi=pmix`` sets only PMIX_RANK and SLURM_PROCID.
+
+Collectives take an explicit ``name``. Horovod matches operations across ranks by name, so
+a collective issued by the prefetch thread can never pair with one of the main thread's, and
+two ranks that disagree on the sequence of collectives fail loudly instead of mixing data.
+
+Node grouping: ranks sharing a host form a node (or, for tests on one machine, groups of
+``ranks_per_virtual_node`` consecutive ranks). The grouping becomes two Horovod process sets
+at init: this rank's node, and the node leaders (local rank 0 of every node). They carry the
+hierarchical dense merge: reduce inside the node, cross the network once per node.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+import horovod.torch as hvd
+
+
+@dataclass
+class Comm:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    num_nodes: int
+    node: int  # index of this rank's node, 0 .. num_nodes-1
+    node_ranks: list[list[int]] = field(repr=False)  # ranks of each node, ascending
+    _node_set: Any = field(default=None, repr=False)
+    _leader_set: Any = field(default=None, repr=False)
+
+    # --- reductions -------------------------------------------------------------------
+
+    def allreduce_sum(self, tensors: Sequence[torch.Tensor], name: str,
+                      compression: Any = None) -> list[torch.Tensor]:
+        """Elementwise sums over ranks of a list of tensors, in one grouped allreduce."""
+        if not tensors:
+            return []
+        # comm: one grouped allreduce (Sum) of every tensor in the list
+        return list(hvd.grouped_allreduce(list(tensors), op=hvd.Sum, name=name,
+                                          compression=compression or hvd.Compression.none))
+
+    def allreduce_avg(self, tensors: Sequence[torch.Tensor], name: str,
+                      compression: Any = None) -> list[torch.Tensor]:
+        """Means over ranks: the sum (one grouped allreduce) divided by the world size."""
+        return [t / self.size for t in self.allreduce_sum(tensors, name, compression)]
+
+    def allreduce_sum_hierarchical(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """Sums over ranks, reducing inside each node first and crossing nodes once per node.
+
+        Three grouped allreduces: the node's sum (intra-node), the leaders' sum of node sums
+        (the only traffic between nodes), then the node's sum again where only the leader
+        contributes (a broadcast; adding exact zeros keeps the leader's bits).
+        """
+        if self.num_nodes == 1 or self.size == self.num_nodes:
+            return self.allreduce_sum(tensors, name)
+        tensors = list(tensors)
+        # comm: intra-node grouped allreduce (Sum) over this rank's node process set
+        partial = hvd.grouped_allreduce(tensors, op=hvd.Sum, name=f"{name}.intra",
+                                        process_set=self._node_set)
+        leader = self.local_rank == 0
+        if leader:
+            # comm: inter-node grouped allreduce (Sum) among node leaders only
+            partial = hvd.grouped_allreduce(partial, op=hvd.Sum, name=f"{name}.inter",
+                                            process_set=self._leader_set)
+        contrib = partial if leader else [torch.zeros_like(t) for t in partial]
+        # comm: intra-node grouped allreduce (Sum) that carries the leader's result to the node
+        return list(hvd.grouped_allreduce(contrib, op=hvd.Sum, name=f"{name}.bcast",
+                                          process_set=self._node_set))
+
+    def allreduce_min_int(self, values: Sequence[int], name: str) -> list[int]:
+        """Elementwise minimum over ranks of small integers (window lengths, stop flags)."""
+        t = torch.tensor(list(values), dtype=torch.int64)
+        # comm: allreduce (Min) of a few int64 scalars
+        return hvd.allreduce(t, op=hvd.Min, name=name).tolist()
+
+    def allreduce_max_int(self, values: Sequence[int], name: str) -> list[int]:
+        t = torch.tensor(list(values), dtype=torch.int64)
+        # comm: allreduce (Max) of a few int64 scalars
+        return hvd.allreduce(t, op=hvd.Max, name=name).tolist()
+
+    # --- exchanges --------------------------------------------------------------------
+
+    def alltoall(self, tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor,
+                 name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sends rows ``[sum(splits[:r]), sum(splits[:r+1]))`` of ``tensor`` to rank r.
+
+        Returns the rows received, ordered by source rank, and how many came from each rank
+        (an int64 tensor of length size). Rows are slices along dim 0; the other dims travel.
+        """
+        splits = torch.as_tensor(splits, dtype=torch.int32)  # hvd.alltoall wants int32 splits
+        if splits.numel() != self.size:
+            raise ValueError(f"alltoall {name}: {splits.numel()} splits for {self.size} ranks")
+        if int(splits.sum()) != tensor.shape[0]:
+            raise ValueError(f"alltoall {name}: splits sum to {int(splits.sum())}, tensor has {tensor.shape[0]} rows")
+        # comm: alltoall with per-rank splits
+        out, received = hvd.alltoall(tensor.contiguous(), splits=splits, name=name)
+        return out, received.to(torch.int64)
+
+    def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Concatenation along dim 0 of every rank's tensor, in rank order (lengths may differ)."""
+        # comm: allgather
+        return hvd.allgather(tensor.contiguous(), name=name)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
+        # comm: broadcast of one tensor from root
+        return hvd.broadcast(tensor.contiguous(), root_rank=root, name=name)
+
+    def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
+        """Broadcasts a small JSON-serialisable object (JSON, not pickle: nothing received runs code)."""
+        payload = _encode(obj) if self.rank == root else torch.zeros(0, dtype=torch.uint8)
+        n = torch.tensor([payload.numel()], dtype=torch.int64)
+        # comm: broadcast of the payload length, then of the payload
+        n = int(hvd.broadcast(n, root_rank=root, name=f"{name}.len")[0])
+        buf = payload if self.rank == root else torch.zeros(n, dtype=torch.uint8)
+        buf = hvd.broadcast(buf, root_rank=root, name=f"{name}.data")
+        return _decode(buf)
+
+    def allgather_object(self, obj: Any, name: str) -> list[Any]:
+        """Every rank's small JSON-serialisable object, as a list in rank order."""
+        payload = _encode(obj)
+        # comm: allgather of payload lengths, then of the payloads
+        lengths = hvd.allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.len")
+        data = hvd.allgather(payload, name=f"{name}.data")
+        parts = torch.split(data, lengths.tolist())
+        return [_decode(p) for p in parts]
+
+    def barrier(self) -> None:
+        # comm: barrier
+        hvd.barrier()
+
+    def shutdown(self) -> None:
+        hvd.shutdown()
+
+
+def _encode(obj: Any) -> torch.Tensor:
+    data = json.dumps(obj, sort_keys=True).encode()
+    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+
+
+def _decode(t: torch.Tensor) -> Any:
+    return json.loads(bytes(t.numpy().tobytes()).decode()) if t.numel() else None
+
+
+def _node_grouping(ranks_per_virtual_node: int) -> list[list[int]]:
+    """Ranks grouped by host (or in virtual nodes), nodes ordered by their lowest rank."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    size = world.Get_size()
+    if ranks_per_virtual_node > 0:
+        if size % ranks_per_virtual_node:
+            raise ValueError(
+                f"config key 'topology.ranks_per_virtual_node': {ranks_per_virtual_node} does not divide "
+                f"the world size {size}")
+        keys = [r // ranks_per_virtual_node for r in range(size)]
+    else:
+        # comm: mpi4py allgather of host names (once, before Horovod starts)
+        keys = world.allgather(socket.gethostname())
+    groups: dict[Any, list[int]] = {}
+    for r, k in enumerate(keys):
+        groups.setdefault(k, []).append(r)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def init_comm(ranks_per_virtual_node: int = 0) -> Comm:
+    """Starts Horovod (once per process) with process sets for the node grouping."""
+    if hvd.is_initialized():
+        raise RuntimeError("init_comm called twice in one process")
+    nodes = _node_grouping(ranks_per_virtual_node)
+    process_sets = []
+    leader_ranks = [g[0] for g in nodes]
+    multi = 1 < len(nodes) < sum(len(g) for g in nodes)
+    if multi:
+        node_sets = [hvd.ProcessSet(g) for g in nodes]
+        leader_set = hvd.ProcessSet(leader_ranks)
+        process_sets = node_sets + [leader_set]
+    hvd.init(process_sets=process_sets or None)
+    rank, size = hvd.rank(), hvd.size()
+    node = next(i for i, g in enumerate(nodes) if rank in g)
+    return Comm(
+        rank=rank,
+        size=size,
+        local_rank=nodes[node].index(rank),
+        local_size=len(nodes[node]),
+        num_nodes=len(nodes),
+        node=node,
+        node_ranks=nodes,
+        _node_set=node_sets[node] if multi else None,
+        _leader_set=leader_set if multi and rank in leader_ranks else None,
+    )

@@ -1,0 +1,65 @@
+"""Logging that knows ranks: every line names the rank that wrote it; rank 0 prints by default.
+
+    setup_logging(rank=comm.rank, all_ranks=cfg.metrics.all_ranks)
+    log = get_logger(__name__)
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+_ROOT = "hvctr"
+
+
+class _RankFormatter(logging.Formatter):
+    def __init__(self, rank: int, width: int) -> None:
+        super().__init__()
+        self._tag = f"r{rank:<{width}d}"
+        self._t0 = time.monotonic()
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        level = "" if record.levelno == logging.INFO else f"{record.levelname}: "
+        msg = f"[{self._tag} {stamp}] {level}{record.getMessage()}"
+        if record.exc_info:
+            msg += "\n" + self.formatException(record.exc_info)
+        return msg
+
+
+class _RankFilter(logging.Filter):
+    """Non-zero ranks print warnings and errors always, info only when asked to."""
+
+    def __init__(self, rank: int, all_ranks: bool) -> None:
+        super().__init__()
+        self.rank, self.all_ranks = rank, all_ranks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or self.all_ranks or record.levelno >= logging.WARNING
+
+
+def setup_logging(rank: int = 0, world_size: int = 1, all_ranks: bool = False,
+                  level: int = logging.INFO, file: str | None = None) -> None:
+    """Configures the ``hvctr`` logger; ``file`` also gets every line of this rank."""
+    root = logging.getLogger(_ROOT)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    root.setLevel(level)
+    root.propagate = False
+    width = len(str(max(world_size - 1, 0)))
+    stream = logging.StreamHandler(sys.stderr if rank else sys.stdout)
+    stream.setFormatter(_RankFormatter(rank, width))
+    stream.addFilter(_RankFilter(rank, all_ranks))
+    root.addHandler(stream)
+    if file:
+        fh = logging.FileHandler(file)
+        fh.setFormatter(_RankFormatter(rank, width))
+        root.addHandler(fh)
+
+
+def get_logger(name: str) -> logging.Logger:
+    if not name.startswith(_ROOT):
+        name = f"{_ROOT}.{name}"
+    return logging.getLogger(name)
