@@ -25,8 +25,8 @@ test-unit:
 
 # The MPI tier runs twice: 2 ranks, and 3 so that uneven remainders show.
 test-mpi:
-	$(MPIRUN) -np 2 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider tests/mpi
-	$(MPIRUN) -np 3 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider tests/mpi
+	$(MPIRUN) -np 2 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi
+	$(MPIRUN) -np 3 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi
 
 test-e2e:
 	$(PYTEST) tests/e2e
