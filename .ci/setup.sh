@@ -76,7 +76,7 @@ if ! have horovod "$HOROVOD_VERSION"; then
 fi
 
 # --- hvctr itself -------------------------------------------------------------------------
-if ! "$VPY" -c "import hvctr, data_prep" 2>/dev/null; then
+if ! [ -x "$VENV/bin/hvctr" ] || ! "$VPY" -c "import importlib.metadata as m; m.version('hvctr')" 2>/dev/null; then
   log "installing hvctr (editable)"
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e .
 fi
