@@ -54,13 +54,21 @@ class Device(str, enum.Enum):
     CUDA = "cuda"
 
 
+class MemoryPolicy(str, enum.Enum):
+    PREFERRED = "preferred"  # allocate on the rank's NUMA node, spill to others when it is full
+    BIND = "bind"  # only the rank's NUMA node: an allocation beyond it fails (OOM) instead of going remote
+    LOCAL = "local"  # the kernel default: first touch from the bound cpus lands on their node
+
+
 @dataclass(frozen=True)
 class TopologyConfig:
-    hwmap: str = ""  # hardware map TOML (slurm/hwmaps/); empty: no binding, no placement
+    hwmap: str = ""  # hardware map TOML (slurm/hwmaps/); "auto": discover at start; empty: no binding, no placement
     bind: bool = True  # apply the plan in-process (affinity, memory policy, threads)
     threads_per_rank: int = 0  # 0: the plan's share of the NUMA node's cpus
     hierarchical_allreduce: bool = False  # dense merge: reduce inside the node, then across nodes
     ranks_per_virtual_node: int = 0  # >0: group ranks into virtual nodes of this size (testing)
+    memory_policy: MemoryPolicy = MemoryPolicy.PREFERRED  # how host memory is tied to the plan's NUMA node
+    oversubscribe: bool = False  # allow more ranks on a NUMA node than it has cpus (they share); small test machines
 
 
 @dataclass(frozen=True)
@@ -324,6 +332,10 @@ def _require(ok: bool, key: str, msg: str) -> None:
 
 def _validate(cfg: Config) -> None:
     s, m, d, t = cfg.storage, cfg.merge, cfg.data, cfg.train
+    topo = cfg.topology
+    _require(topo.threads_per_rank >= 0, "topology.threads_per_rank", f"must be >= 0, got {topo.threads_per_rank}")
+    _require(topo.ranks_per_virtual_node >= 0, "topology.ranks_per_virtual_node",
+             f"must be >= 0, got {topo.ranks_per_virtual_node}")
     _require(s.dim >= 1, "storage.dim", f"must be >= 1, got {s.dim}")
     _require(s.rows_per_rank >= 16, "storage.rows_per_rank", f"must be >= 16, got {s.rows_per_rank}")
     _require(0.05 <= s.max_load_factor <= 0.95, "storage.max_load_factor", f"must be in [0.05, 0.95], got {s.max_load_factor}")
