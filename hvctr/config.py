@@ -82,6 +82,9 @@ class StorageConfig:
     lfu_aging_lookups: int = 1 << 22  # LFU counts halve after this many key lookups
     max_working_set_rows: int = 1 << 21  # bound of a window's unique rows; the window shrinks to fit
     admit_after: int = 0  # a key seen fewer times is not stored: it reads the shared default row
+    # Online counts of not-yet-admitted keys live in a count-min sketch (4 rows of uint16
+    # counters; allocated only when admit_after > 1): more slots, fewer early admissions.
+    admit_sketch_slots: int = 1 << 22
     ttl_passes: int = 0  # rows unseen for this many passes are dropped at compaction; 0: never
     init_scale: float = 0.01  # new rows: w, w1 uniform in [-init_scale, init_scale), from the key
     seed: int = 2024  # seeds of the slot hash and of row initialisation
@@ -342,6 +345,7 @@ def _validate(cfg: Config) -> None:
     _require(s.cpu_cache_bytes >= 0, "storage.cpu_cache_bytes", f"must be >= 0, got {s.cpu_cache_bytes}")
     _require(s.admit_after >= 0, "storage.admit_after", f"must be >= 0, got {s.admit_after}")
     _require(s.ttl_passes >= 0, "storage.ttl_passes", f"must be >= 0, got {s.ttl_passes}")
+    _require(s.admit_sketch_slots >= 1024, "storage.admit_sketch_slots", f"must be >= 1024, got {s.admit_sketch_slots}")
     _require(m.every_k_steps >= 1, "merge.every_k_steps", f"must be >= 1, got {m.every_k_steps}")
     _require(d.batch_size_per_rank >= 1, "data.batch_size_per_rank", f"must be >= 1, got {d.batch_size_per_rank}")
     per_batch = d.batch_size_per_rank * cfg.model.num_fields
