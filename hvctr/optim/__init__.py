@@ -1,0 +1,18 @@
+"""Optimisers: lazy Adam with per-row steps on embedding rows, and the dense Adam's state order.
+
+- ``sparse_adam``: rows laid out as DESIGN.md's row, ``[w (D) | w1 | m (D+1) | v (D+1) | step]``
+  float32; one Adam step on the rows a batch touched, each with its own step count (a row seen
+  for the first time gets a bias-corrected first step, as Paddle's sparse Adam keeps beta
+  powers per row). Also the batch's gather of rows and the sum of its gradients per row.
+- ``dense``: the dense parameters use ``torch.optim.Adam`` (one global step); helpers read and
+  write its moments in a fixed parameter order, for the k-step merger.
+- ``_native``: the hot loops in C, compiled once on first use and loaded with ctypes; the
+  torch code is the reference and the fallback where no compiler is found.
+"""
+
+from hvctr.optim.dense import adam_state_names, get_adam_states, set_adam_states, adam_step_count
+from hvctr.optim.sparse_adam import (apply_adam_to_rows, batch_unique, gather_rows, row_width, dim_of_width,
+                                     sparse_adam_step, sum_rows_grad)
+
+__all__ = ["adam_state_names", "adam_step_count", "apply_adam_to_rows", "batch_unique", "dim_of_width",
+           "gather_rows", "get_adam_states", "row_width", "set_adam_states", "sparse_adam_step", "sum_rows_grad"]

@@ -1,0 +1,143 @@
+"""Lazy Adam on embedding rows with per-row step counts, and the batch's sparse gradient path.
+
+A row is DESIGN.md's ``[w (D) | w1 (1) | m (D+1) | v (D+1) | step (1)]``, float32, width
+``3 * (D + 1) + 1``; its first ``c = D + 1`` columns are the model. One training step of the
+sparse side, with ``pos [B, F]`` the batch's positions in the working set ``rows [U, width]``:
+
+    uniq, inverse = batch_unique(pos)            # can be computed ahead, with the window
+    p = gather_rows(rows, pos, dim)              # [B, F, D+1], a leaf that requires grad
+    loss(model(dense, p[..., :dim], p[..., dim])).backward()
+    idx, g = sum_rows_grad(pos, p.grad, (uniq, inverse))   # one summed gradient per row
+    sparse_adam_step(rows, idx, g, lr, beta1, beta2, eps)  # rows not in idx are untouched
+
+Lazy: a row's m and v decay only on the steps that touch it, and its bias correction uses its
+own step count, so a row first touched at global step 1000 takes a full-size first step. On
+the CPU the three loops run as C kernels (hvctr.optim._native); elsewhere, or without a C
+compiler, as torch ops. The torch form is the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hvctr.optim import _native
+
+
+def row_width(dim: int) -> int:
+    """Float32 columns of a row for embedding dimension ``dim``: w, w1, m, v and step."""
+    return 3 * (dim + 1) + 1
+
+
+def dim_of_width(width: int) -> int:
+    if width < 4 or (width - 1) % 3:
+        raise ValueError(f"a row of {width} columns is not [w (D) | w1 | m (D+1) | v (D+1) | step]")
+    return (width - 1) // 3 - 1
+
+
+def _native_ok(*tensors: Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and _native.lib() is not None
+
+
+def _check_index(index: Tensor, bound: int, what: str) -> None:
+    # The C kernels trust their indices; an out-of-range one would write outside the table.
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= bound):
+        raise IndexError(f"{what}: indices span [{int(index.min())}, {int(index.max())}], table has {bound} rows")
+
+
+def _adam_rows_torch_(r: Tensor, g: Tensor, lr: float, beta1: float, beta2: float, eps: float) -> None:
+    """Adam on every row of ``r`` [n, width] in place, with each row's own step: the reference."""
+    c = g.shape[1]
+    p, m, v, step = r[:, :c], r[:, c:2 * c], r[:, 2 * c:3 * c], r[:, 3 * c]
+    step.add_(1)
+    s64 = step.double()
+    # Bias corrections in float64 per row, as torch.optim.Adam computes them in Python floats.
+    step_size = (lr / (1 - torch.pow(beta1, s64))).float().unsqueeze(1)
+    bc2_sqrt = (1 - torch.pow(beta2, s64)).sqrt().float().unsqueeze(1)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    p.sub_(step_size * m / denom)
+
+
+def sparse_adam_step(rows: Tensor, idx: Tensor, grad: Tensor, lr: float, beta1: float, beta2: float,
+                     eps: float) -> None:
+    """One lazy Adam step, in place, on ``rows[idx]`` with gradients ``grad`` [n, D+1].
+
+    ``idx`` must hold distinct row positions (sum_rows_grad's output does). Each touched row's
+    step count goes up by one and its bias correction uses it; every other row stays bit-equal.
+    """
+    assert rows.dtype == torch.float32 and grad.dtype == torch.float32, (rows.dtype, grad.dtype)
+    c = dim_of_width(rows.shape[1]) + 1
+    if grad.shape != (idx.numel(), c):
+        raise ValueError(f"grad has shape {tuple(grad.shape)}, expected ({idx.numel()}, {c})")
+    idx = idx.reshape(-1).long()
+    _check_index(idx, rows.shape[0], "sparse_adam_step")
+    grad = grad.contiguous()
+    idx = idx.contiguous()
+    if _native_ok(rows, idx, grad):
+        _native.lib().hv_sparse_adam(rows.data_ptr(), rows.shape[1], idx.data_ptr(), idx.numel(),
+                                     grad.data_ptr(), c, lr, beta1, beta2, eps)
+        return
+    r = rows.index_select(0, idx)
+    _adam_rows_torch_(r, grad, lr, beta1, beta2, eps)
+    rows.index_copy_(0, idx, r)
+
+
+def apply_adam_to_rows(rows, grads, lr: float, beta1: float, beta2: float, eps: float):
+    """Pure form of one Adam step on every row: returns new rows, leaves ``rows`` as it was.
+
+    For an owner that applies pushed gradients (``merge.mode = sync``): ``rows`` [n, width] and
+    ``grads`` [n, D+1] as numpy arrays or torch tensors; the result has the input's kind.
+    """
+    as_numpy = isinstance(rows, np.ndarray)
+    r = torch.from_numpy(np.array(rows, dtype=np.float32)) if as_numpy else rows.detach().clone().contiguous()
+    g = torch.as_tensor(np.asarray(grads, dtype=np.float32) if isinstance(grads, np.ndarray) else grads)
+    idx = torch.arange(r.shape[0], device=r.device)
+    sparse_adam_step(r, idx, g.to(device=r.device, dtype=torch.float32), lr, beta1, beta2, eps)
+    return r.numpy() if as_numpy else r
+
+
+def batch_unique(pos: Tensor) -> tuple[Tensor, Tensor]:
+    """Distinct positions of a batch (sorted) and, for each entry of ``pos``, its index in them."""
+    uniq, inverse = torch.unique(pos.long(), sorted=True, return_inverse=True)
+    return uniq, inverse
+
+
+def gather_rows(rows: Tensor, pos: Tensor, dim: int) -> Tensor:
+    """``rows[pos, :dim+1]`` as a new leaf tensor [*pos.shape, dim+1] that requires grad.
+
+    The model reads ``[..., :dim]`` as embeddings and ``[..., dim]`` as w1; after backward its
+    ``.grad`` is what sum_rows_grad reduces per row.
+    """
+    c = dim + 1
+    pos = pos.long().contiguous()
+    if _native_ok(rows, pos):
+        _check_index(pos, rows.shape[0], "gather_rows")
+        out = torch.empty(*pos.shape, c, dtype=rows.dtype)
+        _native.lib().hv_gather_rows(rows.data_ptr(), rows.shape[1], pos.data_ptr(), pos.numel(), c, out.data_ptr())
+    else:
+        out = F.embedding(pos, rows[:, :c])
+    return out.detach().requires_grad_()
+
+
+def sum_rows_grad(pos: Tensor, grad: Tensor, unique: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """Gradient per distinct row: ``(uniq [n], summed [n, c])`` from ``grad`` [*pos.shape, c].
+
+    ``unique`` is batch_unique(pos) when it was computed ahead of time.
+    """
+    uniq, inverse = unique if unique is not None else batch_unique(pos)
+    c = grad.shape[-1]
+    g = grad.detach().reshape(-1, c).contiguous()
+    inv = inverse.reshape(-1).contiguous()
+    if g.shape[0] != inv.numel():
+        raise ValueError(f"grad holds {g.shape[0]} rows of gradients, positions {inv.numel()}")
+    out = torch.zeros(uniq.numel(), c, dtype=g.dtype, device=g.device)
+    if _native_ok(g, inv) and g.dtype == torch.float32:
+        _check_index(inv, uniq.numel(), "sum_rows_grad")
+        _native.lib().hv_sum_rows(inv.data_ptr(), inv.numel(), g.data_ptr(), c, out.data_ptr())
+    else:
+        out.index_put_((inv,), g, accumulate=True)
+    return uniq, out
