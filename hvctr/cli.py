@@ -18,6 +18,7 @@ import hvctr
 # name -> (module, one-line help). The module provides add_arguments(parser) and run(args, overrides).
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("hvctr.config_cmd", "print the resolved configuration (defaults < file < flags) as TOML"),
+    "topo": ("hvctr.topo.cmd", "discover the node's hardware map (TOML), or print the placement plan of its ranks"),
 }
 
 
