@@ -1,0 +1,280 @@
+"""The two reference points hvctr's throughput is reported against, on the same data and model.
+
+- ``plain``: plain single-process PyTorch, everything in RAM: the keys of the training set
+  mapped once, up front, to rows of ONE ``nn.Embedding`` (sparse gradients, SparseAdam), the
+  same DNN as hvctr (hvctr.models) with Adam, ``--threads`` torch threads (2 by default). It
+  reports training samples/s and validation AUC, logloss and COPC (hvctr.metrics).
+- ``ceiling``: the MLP alone on random inputs (forward, backward, Adam), run as
+  ``--ceiling-procs`` processes of 1 thread at once (what 2 ranks could reach on this machine
+  if embeddings, data and merges cost nothing), and as one process of ``--threads`` threads.
+
+Every result is one JSON line, so a benchmark driver can put them beside hvctr's figures:
+
+    python -m hvctr.baseline --data runs/data --runs plain,ceiling --out runs/baseline.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hvctr.metrics import EvalAccumulator
+from hvctr.models import DNN, MLP
+
+NUM_DENSE = 13
+
+
+class Split(NamedTuple):
+    """One split in RAM: labels [N] float32, dense [N, 13] float32, keys [N, F] uint64."""
+    labels: np.ndarray
+    dense: np.ndarray
+    keys: np.ndarray
+
+
+def _batches(n: int, batch_size: int, drop_last: bool) -> Iterator[slice]:
+    stop = n - n % batch_size if drop_last else n
+    for start in range(0, stop, batch_size):
+        yield slice(start, min(start + batch_size, n))
+
+
+def map_keys(train_keys: np.ndarray, *others: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray]]:
+    """Keys -> rows of one table, done once: (rows, train index, [index of each other set]).
+
+    Training keys get rows 0 .. n-1 (sorted key order); a key of another set that training
+    never saw gets row n, one shared row left at its initial value.
+    """
+    uniq, train_idx = np.unique(train_keys, return_inverse=True)
+    n = uniq.size
+    mapped = []
+    for keys in others:
+        pos = np.searchsorted(uniq, keys)
+        pos_c = np.minimum(pos, n - 1)
+        mapped.append(np.where(uniq[pos_c] == keys, pos_c, n).astype(np.int64))
+    return n + 1, train_idx.reshape(train_keys.shape).astype(np.int64), mapped
+
+
+def run_plain(train: Split, valid: Split, *, dim: int = 16, hidden: Sequence[int] = (512, 256),
+              batch_size: int = 4096, epochs: int = 1, lr: float = 1e-3, max_steps: int = 0,
+              init_scale: float = 0.01, seed: int = 1234) -> dict:
+    """Trains plain PyTorch on ``train`` and evaluates on ``valid``; torch threads as set by the caller."""
+    t0 = time.perf_counter()
+    table_rows, train_idx, (valid_idx,) = map_keys(train.keys, valid.keys)
+    prep_s = time.perf_counter() - t0
+    num_fields = train.keys.shape[1]
+    torch.manual_seed(seed)
+    emb = torch.nn.Embedding(table_rows, dim, sparse=True)
+    torch.nn.init.uniform_(emb.weight, -init_scale, init_scale)
+    model = DNN(num_fields=num_fields, dim=dim, num_dense=NUM_DENSE, hidden=hidden)
+    opt_sparse = torch.optim.SparseAdam(emb.parameters(), lr=lr)
+    opt_dense = torch.optim.Adam(model.parameters(), lr=lr)
+    no_w1 = torch.zeros(batch_size, num_fields)  # the DNN does not read first-order weights
+
+    steps, t0 = 0, time.perf_counter()
+    for _ in range(epochs):
+        for s in _batches(len(train.labels), batch_size, drop_last=True):
+            logits = model(torch.from_numpy(train.dense[s]), emb(torch.from_numpy(train_idx[s])), no_w1)
+            loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(train.labels[s]))
+            opt_sparse.zero_grad()
+            opt_dense.zero_grad()
+            loss.backward()
+            opt_sparse.step()
+            opt_dense.step()
+            steps += 1
+            if steps == max_steps:
+                break
+        if steps == max_steps:
+            break
+    train_s = time.perf_counter() - t0
+
+    acc = EvalAccumulator()
+    with torch.no_grad():
+        for s in _batches(len(valid.labels), batch_size, drop_last=False):
+            w1 = torch.zeros(s.stop - s.start, num_fields)
+            logits = model(torch.from_numpy(valid.dense[s]), emb(torch.from_numpy(valid_idx[s])), w1)
+            acc.add_logits(logits, torch.from_numpy(valid.labels[s]))
+    return {
+        "system": "plain_pytorch", "threads": torch.get_num_threads(), "batch_size": batch_size,
+        "dim": dim, "hidden": list(hidden), "table_rows": table_rows, "steps": steps,
+        "train_samples": steps * batch_size, "train_s": train_s,
+        "samples_per_s": steps * batch_size / train_s if train_s > 0 else float("nan"),
+        "key_mapping_s": prep_s, "last_loss": loss.item() if steps else float("nan"),
+        **{f"valid_{k}": v for k, v in acc.result().items()},
+    }
+
+
+def mlp_steps(in_features: int, hidden: Sequence[int], batch_size: int, steps: int, warmup: int = 3,
+              before_timing: Callable[[], None] | None = None, seed: int = 0) -> dict:
+    """The ceiling's work in this process: ``steps`` timed MLP steps on random inputs.
+
+    ``before_timing`` runs after the warm-up: the ceiling's workers wait there for the word go.
+    """
+    torch.manual_seed(seed)
+    mlp = MLP(in_features, hidden)
+    opt = torch.optim.Adam(mlp.parameters(), lr=1e-3)
+    x = torch.randn(batch_size, in_features)
+    y = (torch.rand(batch_size) < 0.25).float()
+
+    def step() -> None:
+        opt.zero_grad()
+        F.binary_cross_entropy_with_logits(mlp(x).squeeze(1), y).backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    if before_timing:
+        before_timing()
+    t0 = time.time()
+    for _ in range(steps):
+        step()
+    t1 = time.time()
+    return {"samples": steps * batch_size, "t0": t0, "t1": t1, "threads": torch.get_num_threads()}
+
+
+def _worker_wait() -> None:
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        raise RuntimeError("ceiling worker: the parent went away before saying go")
+
+
+def run_ceiling(procs: int, *, in_features: int, hidden: Sequence[int], batch_size: int, steps: int) -> dict:
+    """``procs`` processes of 1 thread run the MLP at once; samples/s over their common span.
+
+    Each worker imports torch and warms up, says ready, and starts timing when all are ready.
+    """
+    cmd = [sys.executable, "-m", "hvctr.baseline", "--ceiling-worker", f"--in-features={in_features}",
+           f"--hidden={','.join(map(str, hidden))}", f"--batch-size={batch_size}", f"--ceiling-steps={steps}",
+           "--threads=1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    workers = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env) for _ in range(procs)]
+    try:
+        for w in workers:
+            if w.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"ceiling worker failed before timing: {w.communicate()[1].strip()[-2000:]}")
+        for w in workers:
+            w.stdin.write("go\n")
+            w.stdin.flush()
+        outs = []
+        for w in workers:
+            out, err = w.communicate()
+            if w.returncode != 0:
+                raise RuntimeError(f"ceiling worker failed ({w.returncode}): {err.strip()[-2000:]}")
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    span = max(o["t1"] for o in outs) - min(o["t0"] for o in outs)
+    return {
+        "system": "mlp_ceiling", "processes": procs, "threads_per_process": 1, "batch_size": batch_size,
+        "in_features": in_features, "hidden": list(hidden), "steps_per_process": steps,
+        # every process's samples over the span from the first start to the last end: a lower bound
+        "samples_per_s": sum(o["samples"] for o in outs) / span,
+        "per_process_samples_per_s": [o["samples"] / (o["t1"] - o["t0"]) for o in outs],
+        "start_skew_s": max(o["t0"] for o in outs) - min(o["t0"] for o in outs),
+    }
+
+
+def run_ceiling_one_process(*, in_features: int, hidden: Sequence[int], batch_size: int, steps: int) -> dict:
+    r = mlp_steps(in_features, hidden, batch_size, steps)
+    return {"system": "mlp_ceiling", "processes": 1, "threads_per_process": r["threads"], "batch_size": batch_size,
+            "in_features": in_features, "hidden": list(hidden), "steps_per_process": steps,
+            "samples_per_s": r["samples"] / (r["t1"] - r["t0"])}
+
+
+def load_split(data_dir: str, split: str) -> Split:
+    """A split of a data_prep output directory, every shard, in RAM."""
+    from hvctr import data  # noqa: PLC0415 (lands with the data reader; imported where used)
+
+    labels, dense, keys = data.read_split(data_dir, split)
+    return Split(labels, dense, keys)
+
+
+# Command line ------------------------------------------------------------------------------
+
+
+def _hidden(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", help="data_prep output directory (train split, and valid unless --valid-data)")
+    p.add_argument("--valid-data", help="directory of the validation split; default: --data")
+    p.add_argument("--runs", default="plain,ceiling", help="comma list of: plain, ceiling, ceiling1 (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--hidden", type=_hidden, default=(512, 256), help="MLP hidden layers, e.g. 512,256")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the single-process runs")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-steps", type=int, default=0, help="stop plain training after this many steps; 0: epochs")
+    p.add_argument("--ceiling-procs", type=int, default=2)
+    p.add_argument("--ceiling-steps", type=int, default=30)
+    p.add_argument("--in-features", type=int, default=0, help="MLP input width; 0: 26 * dim + 13")
+    p.add_argument("--out", help="also write the JSON lines to this file")
+    p.add_argument("--ceiling-worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = sorted(set(runs) - {"plain", "ceiling", "ceiling1"})
+    if unknown:
+        raise ValueError(f"--runs: unknown {unknown}; valid: plain, ceiling, ceiling1")
+    in_features = args.in_features or 26 * args.dim + NUM_DENSE
+    mlp = dict(in_features=in_features, hidden=args.hidden, batch_size=args.batch_size, steps=args.ceiling_steps)
+    results = []
+    for name in runs:
+        if name == "plain":
+            if not args.data:
+                raise ValueError("--runs plain needs --data DIR (a data_prep output directory)")
+            train = load_split(args.data, "train")
+            valid = load_split(args.valid_data or args.data, "valid")
+            results.append(run_plain(train, valid, dim=args.dim, hidden=args.hidden, batch_size=args.batch_size,
+                                     epochs=args.epochs, lr=args.lr, max_steps=args.max_steps))
+        elif name == "ceiling":
+            results.append(run_ceiling(args.ceiling_procs, **mlp))
+        else:
+            results.append(run_ceiling_one_process(**mlp))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hvctr.baseline", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        if args.ceiling_worker:
+            r = mlp_steps(args.in_features, args.hidden, args.batch_size, args.ceiling_steps, before_timing=_worker_wait)
+            print(json.dumps(r), flush=True)
+            return 0
+        try:
+            results = run(args)
+        except ValueError as e:
+            print(f"hvctr.baseline: error: {e}", file=sys.stderr)
+            return 2
+    finally:
+        torch.set_num_threads(threads)
+    lines = [json.dumps(r, sort_keys=True) for r in results]
+    print("\n".join(lines), flush=True)
+    if args.out:
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
