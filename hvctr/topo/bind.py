@@ -62,7 +62,9 @@ class Placement:
     notes: tuple[str, ...] = ()
 
 
-_applied: tuple[tuple, Placement] | None = None  # the process's placement: one per process
+# Process state, not rank state: affinity and memory policy belong to the process.
+_applied: tuple[tuple, Placement] | None = None  # the last placement and its arguments
+_start: tuple[tuple[int, ...], int] | None = None  # cpus allowed and torch threads before the first one
 
 
 # memory policy ------------------------------------------------------------------------
@@ -108,6 +110,15 @@ def set_memory_policy(policy: MemoryPolicy, node: int) -> str:
     if set_fn(mode, mask_ptr, ctypes.c_ulong(maxnode)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"set_mempolicy({policy.value}, node {node}) via {how}: {os.strerror(err)}")
+    return current_memory_policy()
+
+
+def reset_memory_policy() -> str:
+    """Back to the kernel default (MPOL_DEFAULT) for this thread."""
+    set_fn, _, how = _mempolicy_calls()
+    if set_fn is not None and set_fn(_MPOL["default"], None, ctypes.c_ulong(0)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"set_mempolicy(default) via {how}: {os.strerror(err)}")
     return current_memory_policy()
 
 
@@ -256,44 +267,50 @@ def _rss_bytes() -> int:
 
 
 def apply_placement(topology_cfg: TopologyConfig, local_rank: int, local_size: int) -> Placement:
-    """Plans this rank's place on the node and applies it; once per process.
+    """Plans this rank's place on the node and applies it. Call once, right after init_comm.
 
-    A second call with the same arguments returns the first result; with others it raises.
+    A second call with the same arguments returns the first result. With other arguments it
+    re-plans from the cpus allowed at the first call and warns: memory already touched stays
+    where it is (in-process test suites do this; a training job should not). A call that
+    does not bind (no map, or bind = false) undoes an earlier binding.
     """
-    global _applied
+    global _applied, _start
     key = (topology_cfg, local_rank, local_size)
-    if _applied is not None:
-        if _applied[0] == key:
-            return _applied[1]
-        raise RuntimeError("apply_placement: this process was already placed with other arguments")
+    if _applied is not None and _applied[0] == key:
+        return _applied[1]
     import torch
 
-    allowed = tuple(sorted(os.sched_getaffinity(0)))
+    if _start is None:  # what the process was given, before any placement of ours
+        _start = (tuple(sorted(os.sched_getaffinity(0))), torch.get_num_threads())
+    allowed, start_threads = _start
     notes = outer_binding_warnings(os.environ)
+    if _applied is not None:
+        notes.append("placement applied again with other arguments: memory already touched keeps its node")
     if torch.cuda.is_initialized():
         notes.append("CUDA was initialised before placement: its threads and pinned buffers may sit elsewhere")
     if _rss_bytes() > _RSS_WARN_BYTES:
         notes.append(f"{_rss_bytes() >> 20} MiB resident before placement: those pages keep their node")
     hwmap = _load(topology_cfg)
-    plan = None
-    if hwmap is not None:
-        plan = plan_rank(hwmap, local_rank, local_size, allowed, topology_cfg.oversubscribe)
-        notes += plan.notes
+    plan = plan_rank(hwmap, local_rank, local_size, allowed, topology_cfg.oversubscribe) if hwmap else None
+    notes += plan.notes if plan else ()
     bind = plan is not None and topology_cfg.bind
-    cpus = plan.cpus if bind else allowed
     threads = topology_cfg.threads_per_rank or (len(plan.cpus) if plan else 0)
-    policy = "default"
     if bind:
-        set_process_affinity(cpus)
+        set_process_affinity(plan.cpus)
         policy = set_memory_policy(topology_cfg.memory_policy, plan.numa_node)
         torch.set_num_threads(threads)  # before the intra-op pool starts: its threads inherit both
+    else:
+        if _applied is not None and _applied[1].bound:  # undo our earlier binding
+            set_process_affinity(allowed)
+            reset_memory_policy()
+            torch.set_num_threads(start_threads)
+        policy = current_memory_policy()
     device, device_notes = _select_device(plan, local_rank)
     notes += device_notes
-    if plan is not None:
-        notes += nic_env_warnings(plan.nic, plan.nic_hca, os.environ)
+    notes += nic_env_warnings(plan.nic, plan.nic_hca, os.environ) if plan else ()
     placement = Placement(
         local_rank=local_rank, local_size=local_size, device=device, gpu=plan.gpu if plan else -1,
-        numa_node=plan.numa_node if plan else UNKNOWN, cpus=tuple(cpus), threads=threads,
+        numa_node=plan.numa_node if plan else UNKNOWN, cpus=plan.cpus if bind else allowed, threads=threads,
         memory_policy=policy, ssd_dir=plan.ssd_dir if plan else "", nic=plan.nic if plan else "",
         nic_hca=plan.nic_hca if plan else "", bound=bind, hwmap=(hwmap.path or topology_cfg.hwmap) if hwmap else "",
         allowed_at_start=allowed, notes=tuple(notes))
