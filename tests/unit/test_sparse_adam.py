@@ -1,4 +1,5 @@
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -185,3 +186,13 @@ def test_without_a_compiler_the_torch_path_runs(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "ok" in r.stdout and "torch path" in r.stdout + r.stderr
+
+
+def test_sparse_path_bench_runs_and_reports_both_paths(capsys):
+    from hvctr.optim import bench
+    assert bench.main(["--repeats", "1", "--window", "2", "--batch-size", "256", "--dim", "4"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [x.get("path") for x in lines] == [None, "native", "torch"]
+    assert all(x["total_ms"] > 0 and x["mlp_step_ms"] > 0 for x in lines[1:])
+    setup = lines[0]
+    assert setup["unique_rows_per_sample_window"] <= setup["unique_rows_per_sample_batch"] <= 26
