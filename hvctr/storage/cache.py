@@ -1,0 +1,229 @@
+"""Tier 2: the CPU row cache, a fixed number of entries inside a byte budget of anonymous memory.
+
+Every array is allocated once at construction (after placement pinned the process, so first
+touch puts the pages on the rank's NUMA node) and sized so that their sum stays within
+``storage.cpu_cache_bytes``: rows with their optimiser state, keys, shard positions, dirty
+flags, policy state and a key -> entry hash table (linear probing, 2 slots per entry,
+tombstones on eviction, rebuilt when they pile up).
+
+The cache knows nothing of the shard: ``insert`` returns the dirty rows it evicted and the
+caller (EmbeddingStore) writes them back. Eviction picks victims in batches (at least 1/256
+of the entries, so its O(entries) selection is amortised) among entries not touched by the
+current operation, by policy:
+
+- ``CachePolicy.LRU``: least recently used operation first;
+- ``CachePolicy.LFU``: fewest accesses first, ties by recency, every count halved after
+  ``storage.lfu_aging_lookups`` key lookups (aging lets yesterday's hot keys go).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hvctr.config import CachePolicy
+from hvctr.keys import EMPTY_KEY, mix64
+from hvctr.storage import _probe
+
+_HASH_SALT = np.uint64(0x8CB92BA72F3D8DD7)
+_EMPTY, _DEAD, _CLAIMED = -1, -2, -3  # table entry codes; >= 0 is an entry index
+_TICK_BITS = 40
+
+# bytes per entry besides the row: key 8, shard position 8, dirty 1, tick 8, count 4, table slot
+# of the entry 8, free-stack slot 8, and two hash-table slots (key 8 + entry 4) each.
+ENTRY_OVERHEAD_BYTES = 8 + 8 + 1 + 8 + 4 + 8 + 8 + 2 * (8 + 4)
+
+
+def entries_for_budget(width: int, budget_bytes: int) -> int:
+    """How many rows of ``width`` float32 a budget holds, every cache array counted."""
+    return max(int(budget_bytes) // (4 * width + ENTRY_OVERHEAD_BYTES), 0)
+
+
+class RowCache:
+    """Rows by key, bounded by ``budget_bytes``; vectorised lookups, inserts and evictions.
+
+    - ``lookup(keys, mode)`` -> entry index per key, -1 where absent. mode "access" counts a
+      hit or miss and feeds the policy; "pin" only marks the entries as used by the current
+      operation (never evicted by it); "peek" changes nothing.
+    - ``rows[entry]`` is the row; ``update(entries, rows)`` overwrites and marks dirty.
+    - ``insert(keys, rows, pos, dirty) -> (n_inserted, victims)``: keys absent; the first
+      n_inserted are cached; victims = (keys, pos, rows) of dirty rows evicted to make room.
+    - ``dirty_entries()``, ``mark_clean(entries)``, ``discard(entries)``, ``clear()``.
+    """
+
+    def __init__(self, width: int, budget_bytes: int, policy: CachePolicy = CachePolicy.LFU,
+                 aging_lookups: int = 1 << 22) -> None:
+        self.width = width
+        self.policy = CachePolicy(policy)
+        self.aging_lookups = max(int(aging_lookups), 1)
+        self.capacity = c = entries_for_budget(width, budget_bytes)
+        self.nslots = 2 * c
+        self.keys = np.full(c, EMPTY_KEY, dtype=np.uint64)
+        self.pos = np.full(c, -1, dtype=np.int64)
+        self.rows = np.zeros((c, width), dtype=np.float32)
+        self.dirty = np.zeros(c, dtype=bool)
+        self.tick = np.zeros(c, dtype=np.int64)
+        self.count = np.zeros(c, dtype=np.uint32)
+        self.tslot = np.full(c, -1, dtype=np.int64)
+        self.tab_key = np.full(self.nslots, EMPTY_KEY, dtype=np.uint64)
+        self.tab_ent = np.full(self.nslots, _EMPTY, dtype=np.int32)
+        self._free = np.arange(c - 1, -1, -1, dtype=np.int64)  # a stack; entry 0 is used first
+        self.n_free = c
+        self.n_dead = 0
+        self.now = 0  # operation counter: the LRU clock and the pin marker
+        self._since_aging = 0
+        self.hits = self.misses = self.evictions = 0
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.keys, self.pos, self.rows, self.dirty, self.tick, self.count, self.tslot,
+                  self.tab_key, self.tab_ent, self._free)
+        return sum(a.nbytes for a in arrays)
+
+    @property
+    def size(self) -> int:
+        return self.capacity - self.n_free
+
+    # --- lookups -----------------------------------------------------------------------
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return (mix64(keys ^ _HASH_SALT) % np.uint64(self.nslots)).astype(np.int64)
+
+    def _load(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.tab_key[slots], self.tab_ent[slots] == _EMPTY
+
+    def lookup(self, keys: np.ndarray, mode: str = "access") -> np.ndarray:
+        """Entry of each key (int64, -1 if absent). Starts a new operation unless mode is peek."""
+        n = keys.shape[0]
+        if self.capacity == 0 or n == 0:
+            ent = np.full(n, -1, dtype=np.int64)
+        else:
+            slots = _probe.find(keys, self._home(keys), self.nslots, self._load)
+            ent = np.where(slots >= 0, self.tab_ent[np.maximum(slots, 0)], -1).astype(np.int64)
+        if mode == "peek":
+            return ent
+        assert mode in ("access", "pin"), mode
+        self.now += 1
+        hit = ent[ent >= 0]
+        self.tick[hit] = self.now
+        if mode == "access":
+            self.count[hit] += np.uint32(1)
+            self.hits += hit.shape[0]
+            self.misses += n - hit.shape[0]
+            self._age(n)
+        return ent
+
+    def _age(self, n: int) -> None:
+        self._since_aging += n
+        if self._since_aging >= self.aging_lookups:
+            self.count >>= np.uint32(1)
+            self._since_aging = 0
+
+    # --- updates -----------------------------------------------------------------------
+
+    def update(self, entries: np.ndarray, rows: np.ndarray) -> None:
+        self.rows[entries] = rows
+        self.dirty[entries] = True
+
+    def insert(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray,
+               dirty: np.ndarray | bool) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Caches as many of ``keys`` (absent, unique) as room allows, in order.
+
+        Returns how many were inserted (a prefix of the batch) and the dirty victims
+        (keys, shard positions, rows) that the caller must write back.
+        """
+        n = keys.shape[0]
+        victims = self._evict(n - self.n_free) if n > self.n_free else _no_victims(self.width)
+        m = min(n, self.n_free)
+        if m == 0:
+            return 0, victims
+        ent = self._free[self.n_free - m:self.n_free][::-1].copy()
+        self.n_free -= m
+        self.keys[ent] = keys[:m]
+        self.pos[ent] = pos[:m]
+        self.rows[ent] = rows[:m]
+        self.dirty[ent] = dirty[:m] if isinstance(dirty, np.ndarray) else dirty
+        self.tick[ent] = self.now  # pinned for the rest of this operation
+        self.count[ent] = 1
+        self._table_put(keys[:m], ent)
+        return m, victims
+
+    def _table_put(self, keys: np.ndarray, ent: np.ndarray) -> None:
+        def free(slots: np.ndarray) -> np.ndarray:
+            t = self.tab_ent[slots]
+            return (t == _EMPTY) | (t == _DEAD)
+
+        def take(slots: np.ndarray) -> None:
+            self.n_dead -= int(np.count_nonzero(self.tab_ent[slots] == _DEAD))
+            self.tab_ent[slots] = _CLAIMED
+
+        slots = _probe.claim(self._home(keys), self.nslots, free, take)
+        self.tab_key[slots] = keys
+        self.tab_ent[slots] = ent
+        self.tslot[ent] = slots
+
+    def _evict(self, need: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Frees at least ``need`` entries (when enough are unpinned); returns dirty victims."""
+        used = self.keys != EMPTY_KEY
+        cand = np.flatnonzero(used & (self.tick != self.now))
+        m = min(max(need, self.capacity // 256, 1), cand.shape[0])
+        if m == 0:
+            return _no_victims(self.width)
+        if self.policy is CachePolicy.LFU:
+            score = (self.count[cand].astype(np.int64) << _TICK_BITS) | (self.tick[cand] & ((1 << _TICK_BITS) - 1))
+        else:
+            score = self.tick[cand]
+        sel = cand[np.argpartition(score, m - 1)[:m]] if m < cand.shape[0] else cand
+        d = sel[self.dirty[sel]]
+        victims = (self.keys[d].copy(), self.pos[d].copy(), self.rows[d].copy())
+        self._drop(sel)
+        self.evictions += m
+        return victims
+
+    def _drop(self, ent: np.ndarray) -> None:
+        slots = self.tslot[ent]
+        self.tab_key[slots] = EMPTY_KEY
+        self.tab_ent[slots] = _DEAD
+        self.n_dead += ent.shape[0]
+        self.keys[ent] = EMPTY_KEY
+        self.pos[ent] = -1
+        self.dirty[ent] = False
+        self.tslot[ent] = -1
+        self._free[self.n_free:self.n_free + ent.shape[0]] = ent
+        self.n_free += ent.shape[0]
+        if self.n_dead > self.nslots // 4:  # probes walk over tombstones: rebuild the table
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.tab_key[:] = EMPTY_KEY
+        self.tab_ent[:] = _EMPTY
+        self.n_dead = 0
+        live = np.flatnonzero(self.keys != EMPTY_KEY)
+        if live.size:
+            self._table_put(self.keys[live], live)
+
+    def discard(self, entries: np.ndarray) -> None:
+        """Forgets entries without writing them back (their rows are being replaced)."""
+        if entries.size:
+            self._drop(np.asarray(entries, dtype=np.int64))
+
+    def dirty_entries(self) -> np.ndarray:
+        return np.flatnonzero(self.dirty)
+
+    def mark_clean(self, entries: np.ndarray) -> None:
+        self.dirty[entries] = False
+
+    def clear(self) -> None:
+        """Empties the cache (dirty rows are lost: flush first)."""
+        self.keys[:] = EMPTY_KEY
+        self.pos[:] = -1
+        self.dirty[:] = False
+        self.tslot[:] = -1
+        self.tab_key[:] = EMPTY_KEY
+        self.tab_ent[:] = _EMPTY
+        self.n_dead = 0
+        self._free[:] = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)
+        self.n_free = self.capacity
+
+
+def _no_victims(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.float32))

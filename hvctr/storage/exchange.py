@@ -1,0 +1,204 @@
+"""ShardedTable: a window's rows between their owners' stores and this rank's working set.
+
+Every call is collective: all ranks call it with the same ``name`` (Horovod pairs operations
+by name), each with its own unique keys, possibly none. Keys go to their owners
+(``bucket_owner[bucket(key)]``) in one alltoall; owners answer from their EmbeddingStore.
+Exchanges run on host tensors (a CPU build of Horovod serves GPU runs); only the result of
+a pull moves to ``device``.
+
+Merge rules (DESIGN.md, "Sparse merge rule"), applied by each owner to the copies it gets:
+
+- ``push``: each key's rows are summed in ascending source rank, then divided by the number
+  of ranks that sent the key; all columns (w, w1, m, v, step) merge together.
+- ``push_gradients`` (merge.mode = sync): gradients summed in ascending source rank,
+  divided by the world size, then ``apply_fn(rows, grads) -> rows`` and the result stored.
+
+``warm`` may run in a prefetch thread while the main thread runs other collectives: give it
+names no other collective uses. It routes keys and answers nothing (prefetch warms, it never
+answers), so the values a later ``pull`` returns do not depend on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import numpy as np
+import torch
+
+from hvctr.keys import owner_of
+from hvctr.storage.store import EmbeddingStore, _unique_keys
+
+if TYPE_CHECKING:
+    from hvctr.dist import Comm
+
+ApplyFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_KEY_COLS = 2  # a uint64 key travels as two float32 columns (bits only, no arithmetic)
+
+
+def _pack(keys: np.ndarray, values: np.ndarray) -> torch.Tensor:
+    """One float32 message per key: its 8 key bytes, then its values (one alltoall, not two)."""
+    kv = keys.view(np.float32).reshape(keys.shape[0], _KEY_COLS)
+    return torch.from_numpy(np.concatenate((kv, values.astype(np.float32, copy=False)), axis=1))
+
+
+def _unpack(msg: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    a = msg.numpy()
+    keys = np.ascontiguousarray(a[:, :_KEY_COLS]).view(np.uint64).reshape(a.shape[0])
+    return keys, a[:, _KEY_COLS:]
+
+
+def merge_by_key(keys: np.ndarray, values: np.ndarray, splits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sums the values of equal keys in ascending source rank: (unique keys, sums, counts).
+
+    ``keys``/``values`` are the concatenation of what each source rank sent, in rank order,
+    ``splits[s]`` rows from rank s; a rank sends a key at most once. The first copy of a key
+    is assigned, later ones added, so a single copy passes through bit for bit.
+    """
+    uniq, inv = np.unique(keys, return_inverse=True)
+    acc = np.empty((uniq.shape[0], values.shape[1]), dtype=np.float32)
+    count = np.zeros(uniq.shape[0], dtype=np.int64)
+    bounds = np.concatenate(([0], np.cumsum(splits))).tolist()
+    for s in range(len(splits)):  # one vectorised step per source rank: this loop fixes the order
+        i, x = inv[bounds[s]:bounds[s + 1]], values[bounds[s]:bounds[s + 1]]
+        first = count[i] == 0
+        acc[i[first]] = x[first]
+        acc[i[~first]] += x[~first]
+        count[i] += 1
+    return uniq, acc, count
+
+
+class ShardedTable:
+    """The distributed table seen from one rank: ``pull``, ``push``, ``warm``,
+    ``push_gradients``, ``read_only``; timing and byte counters in ``stats()`` / ``last``."""
+
+    def __init__(self, comm: "Comm", store: EmbeddingStore, bucket_owner: np.ndarray,
+                 device: torch.device | str = "cpu") -> None:
+        self.comm, self.store = comm, store
+        self.bucket_owner = np.asarray(bucket_owner, dtype=np.int32)
+        self.device = torch.device(device)
+        self.width = store.layout.width
+        self.last: dict[str, float] = {}  # the timing split of the calling thread's last call
+        self._totals: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    # --- routing and timing ------------------------------------------------------------
+
+    def _route(self, unique_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Keys, the permutation that groups them by owner, and how many go to each rank."""
+        keys = _unique_keys(unique_keys)
+        owner = owner_of(keys, self.bucket_owner)
+        order = np.argsort(owner, kind="stable")
+        return keys, order, np.bincount(owner, minlength=self.comm.size).tolist()
+
+    def _alltoall(self, rec: dict, msg: torch.Tensor, splits: list[int], name: str) -> tuple[torch.Tensor, list[int]]:
+        t0 = time.perf_counter()
+        out, received = self.comm.alltoall(msg, splits, name)  # comm: alltoall of keys/rows to/from owners
+        rec["exchange_s"] += time.perf_counter() - t0
+        per_row = msg.element_size() * int(np.prod(msg.shape[1:]))
+        received = received.tolist()
+        me = self.comm.rank
+        rec["bytes_sent"] += (sum(splits) - splits[me]) * per_row
+        rec["bytes_received"] += (sum(received) - received[me]) * per_row
+        return out, received
+
+    def _send_keys(self, rec: dict, keys: np.ndarray, splits: list[int], name: str) -> tuple[np.ndarray, list[int]]:
+        out, received = self._alltoall(rec, torch.from_numpy(keys.view(np.int64)), splits, name)
+        return out.numpy().view(np.uint64), received
+
+    @contextmanager
+    def _call(self, op: str) -> Iterator[dict]:
+        rec = dict.fromkeys(("exchange_s", "bytes_sent", "bytes_received"), 0.0)
+        store0, shard0 = self.store.thread_times()
+        t0 = time.perf_counter()
+        yield rec
+        store1, shard1 = self.store.thread_times()
+        rec["total_s"] = time.perf_counter() - t0
+        rec["shard_s"] = shard1 - shard0
+        rec["cache_s"] = (store1 - store0) - rec["shard_s"]
+        rec["other_s"] = rec["total_s"] - rec["exchange_s"] - (store1 - store0)
+        with self._lock:
+            self.last = {"op": op, **rec}
+            self._totals[f"{op}_calls"] = self._totals.get(f"{op}_calls", 0) + 1
+            for k, v in rec.items():
+                self._totals[f"{op}_{k}"] = self._totals.get(f"{op}_{k}", 0.0) + v
+
+    def stats(self) -> dict[str, float]:
+        """Per operation: calls, seconds (total, exchange, cache, shard, other), bytes to and
+        from other ranks; e.g. ``pull_exchange_s``, ``push_bytes_sent``."""
+        with self._lock:
+            return dict(self._totals)
+
+    # --- operations --------------------------------------------------------------------
+
+    def pull(self, unique_keys: np.ndarray, name: str) -> torch.Tensor:
+        """Rows of ``unique_keys`` as float32 [U, width] on ``device``; owners create new rows."""
+        return self._answer(unique_keys, name, "pull", self.store.read)
+
+    def read_only(self, unique_keys: np.ndarray, name: str) -> torch.Tensor:
+        """Like pull, for evaluation: owners insert and count nothing (unseen keys: init rows)."""
+        return self._answer(unique_keys, name, "read_only", self.store.read_only)
+
+    def _answer(self, unique_keys: np.ndarray, name: str, op: str,
+                read: Callable[[np.ndarray], np.ndarray]) -> torch.Tensor:
+        with self._call(op) as rec:
+            keys, order, splits = self._route(unique_keys)
+            asked, received = self._send_keys(rec, keys[order], splits, f"{name}.keys")
+            uniq, inv = np.unique(asked, return_inverse=True)
+            rows = read(uniq)[inv]
+            back, _ = self._alltoall(rec, torch.from_numpy(rows), received, f"{name}.rows")
+            out = torch.empty((keys.shape[0], self.width), dtype=torch.float32)
+            out[torch.from_numpy(order)] = back
+            return self._to_device(out)
+
+    def push(self, unique_keys: np.ndarray, rows: torch.Tensor | np.ndarray, name: str) -> None:
+        """Sends rows back to their owners, which average each key over the ranks that sent it."""
+        with self._call("push") as rec:
+            keys, order, splits = self._route(unique_keys)
+            values = _host(rows, (keys.shape[0], self.width))
+            got, received = self._alltoall(rec, _pack(keys[order], values[order]), splits, f"{name}.rows")
+            rkeys, rvalues = _unpack(got)
+            uniq, acc, count = merge_by_key(rkeys, rvalues, np.asarray(received))
+            self.store.write(uniq, acc / count.astype(np.float32)[:, None])
+
+    def push_gradients(self, unique_keys: np.ndarray, grads: torch.Tensor | np.ndarray,
+                       apply_fn: ApplyFn, name: str) -> None:
+        """Sync mode: owners sum each key's gradients over ranks (ascending source rank),
+        divide by the world size, and store ``apply_fn(rows, grads)``.
+
+        apply_fn gets CPU float32 tensors, rows [u, width] and grads [u, G] (G = grads' width),
+        and returns the new rows [u, width].
+        """
+        with self._call("push_gradients") as rec:
+            keys, order, splits = self._route(unique_keys)
+            g = _host(grads, (keys.shape[0], -1))
+            got, received = self._alltoall(rec, _pack(keys[order], g[order]), splits, f"{name}.grads")
+            rkeys, rgrads = _unpack(got)
+            uniq, acc, _ = merge_by_key(rkeys, rgrads, np.asarray(received))
+            acc /= np.float32(self.comm.size)
+            rows = self.store.read(uniq, count=False)
+            new = apply_fn(torch.from_numpy(rows), torch.from_numpy(acc))
+            self.store.write(uniq, _host(new, rows.shape))
+
+    def warm(self, unique_keys: np.ndarray, name: str) -> None:
+        """Owners bring these keys' shard rows into their caches; nothing comes back."""
+        with self._call("warm") as rec:
+            keys, order, splits = self._route(unique_keys)
+            asked, _ = self._send_keys(rec, keys[order], splits, f"{name}.keys")
+            self.store.warm(np.unique(asked))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        # Pinned staging buffer: the copy to the GPU runs as DMA, asynchronously.
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+
+def _host(t: torch.Tensor | np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """A float32 numpy array on the host, checked against ``shape`` (-1: any width)."""
+    a = t.detach().to("cpu", torch.float32).numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float32)
+    if a.ndim != 2 or a.shape[0] != shape[0] or (shape[1] != -1 and a.shape[1] != shape[1]):
+        raise ValueError(f"expected an array of shape {shape}, got {tuple(a.shape)}")
+    return a

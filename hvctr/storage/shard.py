@@ -1,0 +1,331 @@
+"""Tier 1: one rank's SSD shard, a plain HDF5 file read and written by file offset.
+
+Layout (every dataset contiguous, uncompressed, allocated at creation and 4 KiB aligned)::
+
+    /bucket_owner  int32 [4096]            owner rank of each virtual bucket (hvctr.keys)
+    /index         {key u64, row i64} [S]  open addressing, S = capacity / max_load_factor
+                                           rounded up to whole 4 KiB blocks (256 entries)
+    /rows          float32 [capacity, W]   the rows (hvctr.storage.row), dense, in insertion order
+    /row_meta      {key u64, last_seen i4, generation i4} [capacity]
+                                           key of each row, the pass it was last written in
+                                           (TTL) and the checkpoint generation (deltas)
+    /state         {n_rows, generation, pass_index, clean} i8 [1]
+    attributes     format_version, dim, width, capacity, num_slots, slots_per_block,
+                   world_size, rank, slot_seed, init_seed, init_scale, max_load_factor
+
+The slot of a key is ``mix64(key ^ slot_seed) % S``, then linear probing. An index block of
+256 entries fills one 4 KiB page, so a lookup is one page read (two when the probe run
+crosses a block end). The slot hash is independent of the owner hash (``mix64(key) >> 52``):
+reusing the owner's bits would leave a rank only a fraction of its slots.
+
+HDF5 only describes the file: after creation the hot path maps the datasets by their file
+offsets (``dset.id.get_offset()``), reads rows with np.memmap in sorted order, and writes with
+os.pwrite (a write through mmap into a file on a full disk is a SIGBUS, not an error). h5py's
+fancy indexing is never used (1-2k rows/s chunked, against 0.7M rows/s by offset). The file
+is fully allocated at creation (HDF5 early allocation plus posix_fallocate), so a full disk
+fails then, not in the middle of training. Any h5py or h5dump reads it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from hvctr.keys import EMPTY_KEY, NUM_BUCKETS, mix64
+from hvctr.storage import _probe
+from hvctr.storage.row import RowLayout
+
+FORMAT_VERSION = 1
+BLOCK_BYTES = 4096
+INDEX_DTYPE = np.dtype([("key", "<u8"), ("row", "<i8")])
+SLOTS_PER_BLOCK = BLOCK_BYTES // INDEX_DTYPE.itemsize  # 256
+META_DTYPE = np.dtype([("key", "<u8"), ("last_seen", "<i4"), ("generation", "<i4")])
+STATE_DTYPE = np.dtype([("n_rows", "<i8"), ("generation", "<i8"), ("pass_index", "<i8"), ("clean", "<i8")])
+_SLOT_SALT = np.uint64(0xD1B54A32D192ED03)
+_PROBE_WINDOW = 16  # 256 bytes of index per key and numpy step; most lookups end in the first
+
+
+def slot_seed_of(seed: int) -> int:
+    """The slot hash's seed, derived from storage.seed (distinct from the init stream)."""
+    return int(mix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _SLOT_SALT))
+
+
+def num_slots_for(capacity: int, max_load_factor: float) -> int:
+    return math.ceil(capacity / max_load_factor / SLOTS_PER_BLOCK) * SLOTS_PER_BLOCK
+
+
+def _early() -> h5py.h5p.PropDCID:
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # storage (and a file offset) exist at once
+    return dcpl
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while buf.nbytes:
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
+def pwrite_runs(fd: int, base: int, item_bytes: int, pos: np.ndarray, data: np.ndarray) -> int:
+    """Writes item i of ``data`` at ``base + pos[i] * item_bytes``; pos sorted and unique.
+
+    One pwrite per run of consecutive positions: the syscall is the unit of I/O here, and
+    rows inserted together (or evicted together) land in few runs. Returns bytes written.
+    """
+    n = pos.shape[0]
+    if n == 0:
+        return 0
+    buf = memoryview(np.ascontiguousarray(data)).cast("B")
+    assert buf.nbytes == n * item_bytes
+    brk = np.flatnonzero(np.diff(pos) != 1) + 1
+    starts = np.concatenate(([0], brk)).tolist()
+    ends = np.concatenate((brk, [n])).tolist()
+    firsts = pos[starts].tolist()
+    for s, e, p in zip(starts, ends, firsts):
+        _pwrite_all(fd, buf[s * item_bytes:e * item_bytes], base + p * item_bytes)
+    return n * item_bytes
+
+
+def _pick(value: np.ndarray | int | None, order: np.ndarray) -> np.ndarray | int | None:
+    return value[order] if isinstance(value, np.ndarray) else value
+
+
+class ShardFullError(ValueError):
+    """The shard has no room for new rows: raise storage.rows_per_rank."""
+
+
+class Shard:
+    """One rank's HDF5 shard. Create with :meth:`create`, reopen with :meth:`open`.
+
+    - ``lookup(keys) -> int64 row positions`` (-1: absent)
+    - ``insert(keys) -> positions`` of new rows (keys absent and unique; their row data is
+      written later by ``write_rows``; ShardFullError past ``capacity`` rows)
+    - ``read_rows(pos) -> float32 [n, width]``, ``write_rows(pos, keys, rows)``
+    - ``read_meta(start, stop)``, ``save_state()``, ``close()``
+    Not thread-safe: EmbeddingStore serialises access.
+    """
+
+    def __init__(self, path: str | Path, writable: bool = True) -> None:
+        self.path = str(path)
+        if not os.path.isfile(self.path):
+            raise ValueError(f"shard file {self.path} does not exist")
+        with h5py.File(self.path, "r") as f:
+            a = f.attrs
+            if int(a.get("format_version", -1)) != FORMAT_VERSION:
+                raise ValueError(f"shard file {self.path}: format_version {a.get('format_version')!r}, "
+                                 f"this hvctr reads {FORMAT_VERSION}")
+            self.layout = RowLayout(int(a["dim"]))
+            self.capacity = int(a["capacity"])
+            self.num_slots = int(a["num_slots"])
+            self.world_size = int(a["world_size"])
+            self.rank = int(a["rank"])
+            self.slot_seed = np.uint64(int(a["slot_seed"]))
+            self.init_seed = int(a["init_seed"])
+            self.init_scale = float(a["init_scale"])
+            self.bucket_owner = f["bucket_owner"][...].astype(np.int32)
+            offs = {n: f[n].id.get_offset() for n in ("index", "rows", "row_meta", "state")}
+            state = f["state"][0]
+        if any(o is None for o in offs.values()):
+            raise ValueError(f"shard file {self.path}: a dataset has no storage (not an hvctr shard?)")
+        self._off = {k: int(v) for k, v in offs.items()}
+        self.writable = writable
+        self._fd = os.open(self.path, os.O_RDWR if writable else os.O_RDONLY)
+        self._index = np.memmap(self.path, INDEX_DTYPE, "r", self._off["index"], (self.num_slots,))
+        self._index_keys = self._index["key"]
+        self._rows = np.memmap(self.path, np.float32, "r", self._off["rows"], (self.capacity, self.layout.width))
+        self._meta = np.memmap(self.path, META_DTYPE, "r", self._off["row_meta"], (self.capacity,))
+        self.n_rows = int(state["n_rows"])
+        self.generation = int(state["generation"])
+        self.pass_index = int(state["pass_index"])
+        self.was_clean = bool(state["clean"])  # False: the last writer did not close it
+        self.bytes_read = 0
+        self.bytes_written = 0
+        if writable:
+            self.save_state(clean=False)
+
+    # --- creation ----------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: str | Path, *, dim: int, capacity: int, world_size: int, rank: int,
+               bucket_owner: np.ndarray, seed: int, init_scale: float,
+               max_load_factor: float) -> "Shard":
+        """Writes an empty shard under a temporary name, allocates it fully, renames it."""
+        path = str(path)
+        layout = RowLayout(dim)
+        num_slots = num_slots_for(capacity, max_load_factor)
+        bucket_owner = np.asarray(bucket_owner, dtype=np.int32)
+        if bucket_owner.shape != (NUM_BUCKETS,):
+            raise ValueError(f"bucket table must have {NUM_BUCKETS} entries, got {bucket_owner.shape}")
+        tmp = path + ".tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with h5py.File(tmp, "w", libver="earliest", track_order=False,
+                       alignment_threshold=BLOCK_BYTES, alignment_interval=BLOCK_BYTES) as f:
+            a = f.attrs
+            a["format_version"] = FORMAT_VERSION
+            a["dim"], a["width"], a["capacity"] = dim, layout.width, capacity
+            a["num_slots"], a["slots_per_block"] = num_slots, SLOTS_PER_BLOCK
+            a["world_size"], a["rank"] = world_size, rank
+            a["slot_seed"] = np.uint64(slot_seed_of(seed))
+            a["init_seed"], a["init_scale"], a["max_load_factor"] = seed, init_scale, max_load_factor
+            a["row_columns"] = f"w[{dim}] w1[1] m[{dim + 1}] v[{dim + 1}] step[1]"
+            f.create_dataset("bucket_owner", data=bucket_owner, track_times=False)
+            empty = np.array((EMPTY_KEY, -1), dtype=INDEX_DTYPE)
+            f.create_dataset("index", shape=(num_slots,), dtype=INDEX_DTYPE, dcpl=_early(),
+                             fillvalue=empty, fill_time="alloc", track_times=False)
+            f.create_dataset("rows", shape=(capacity, layout.width), dtype="<f4", dcpl=_early(),
+                             fill_time="never", track_times=False)
+            f.create_dataset("row_meta", shape=(capacity,), dtype=META_DTYPE, dcpl=_early(),
+                             fill_time="never", track_times=False)
+            f.create_dataset("state", data=np.array([(0, 0, 0, 1)], dtype=STATE_DTYPE), dcpl=_early(),
+                             track_times=False)
+        fd = os.open(tmp, os.O_RDWR)
+        try:  # reserve every block now: a full disk fails here, not in a later pwrite
+            os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return cls(path)
+
+    @classmethod
+    def open(cls, path: str | Path, writable: bool = True) -> "Shard":
+        return cls(path, writable)
+
+    # --- index -------------------------------------------------------------------------
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return (mix64(keys ^ self.slot_seed) % np.uint64(self.num_slots)).astype(np.int64)
+
+    def _load(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        k = self._index_keys[slots]
+        return k, k == EMPTY_KEY
+
+    def _find(self, keys: np.ndarray) -> np.ndarray:
+        return _probe.find(keys, self._home(keys), self.num_slots, self._load, _PROBE_WINDOW)
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Row position of each key in this shard, -1 where absent (int64 [n])."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        slots = self._find(keys)
+        pos = np.full(keys.shape[0], -1, dtype=np.int64)
+        hit = slots >= 0
+        pos[hit] = self._index["row"][slots[hit]]
+        return pos
+
+    def insert(self, keys: np.ndarray) -> np.ndarray:
+        """Adds index entries for new keys (absent, unique); returns their row positions.
+
+        Rows get the next positions in batch order. Their row data is written by the caller
+        (write_rows); row_meta gets the key now so that iteration and compaction see it.
+        """
+        keys = np.asarray(keys, dtype=np.uint64)
+        n = keys.shape[0]
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        if self.n_rows + n > self.capacity:
+            raise ShardFullError(
+                f"shard {self.path} (rank {self.rank}) is full: {self.n_rows} of {self.capacity} rows used "
+                f"and {n} new keys to add; raise storage.rows_per_rank (or drop rare keys with "
+                f"storage.admit_after / old ones with storage.ttl_passes)")
+        taken: list[np.ndarray] = []
+
+        def free(slots: np.ndarray) -> np.ndarray:
+            ok = self._index_keys[slots] == EMPTY_KEY
+            if taken:  # slots claimed earlier in this batch are not written yet
+                ok &= ~np.isin(slots, np.concatenate(taken))
+            return ok
+
+        slots = _probe.claim(self._home(keys), self.num_slots, free, taken.append, _PROBE_WINDOW)
+        pos = self.n_rows + np.arange(n, dtype=np.int64)
+        order = np.argsort(slots)
+        entries = np.empty(n, dtype=INDEX_DTYPE)
+        entries["key"], entries["row"] = keys[order], pos[order]
+        self.bytes_written += pwrite_runs(self._fd, self._off["index"], INDEX_DTYPE.itemsize, slots[order], entries)
+        self._write_meta(pos, keys)  # pos ascending: rows are appended
+        self.n_rows += n
+        return pos
+
+    # --- rows --------------------------------------------------------------------------
+
+    def read_rows(self, pos: np.ndarray) -> np.ndarray:
+        """Rows at positions ``pos`` (any order), read through the memmap in sorted order."""
+        pos = np.asarray(pos, dtype=np.int64)
+        order = np.argsort(pos, kind="stable")
+        out = np.empty((pos.shape[0], self.layout.width), dtype=np.float32)
+        out[order] = self._rows[pos[order]]
+        self.bytes_read += out.nbytes
+        return out
+
+    def write_rows(self, pos: np.ndarray, keys: np.ndarray, rows: np.ndarray,
+                   last_seen: np.ndarray | int | None = None, generation: np.ndarray | int | None = None) -> None:
+        """Writes rows at unique positions, with their meta: key, last_seen (default: this
+        pass) and generation (default: the current checkpoint generation)."""
+        self._require_writable()
+        pos = np.asarray(pos, dtype=np.int64)
+        order = np.argsort(pos, kind="stable")
+        sp = pos[order]
+        rows = np.ascontiguousarray(np.asarray(rows, dtype=np.float32)[order])
+        self.bytes_written += pwrite_runs(self._fd, self._off["rows"], self.layout.row_bytes, sp, rows)
+        self._write_meta(sp, np.asarray(keys, dtype=np.uint64)[order], _pick(last_seen, order),
+                         _pick(generation, order))
+
+    def _write_meta(self, pos: np.ndarray, keys: np.ndarray, last_seen: np.ndarray | int | None = None,
+                    generation: np.ndarray | int | None = None) -> None:
+        """row_meta records at sorted unique positions."""
+        self._require_writable()
+        meta = np.empty(pos.shape[0], dtype=META_DTYPE)
+        meta["key"] = keys
+        meta["last_seen"] = self.pass_index if last_seen is None else last_seen
+        meta["generation"] = self.generation if generation is None else generation
+        self.bytes_written += pwrite_runs(self._fd, self._off["row_meta"], META_DTYPE.itemsize, pos, meta)
+
+    def read_meta(self, start: int, stop: int) -> np.ndarray:
+        """row_meta of rows [start, stop) (a copy)."""
+        return np.array(self._meta[start:min(stop, self.n_rows)])
+
+    def read_range(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) as one sequential read (a copy)."""
+        out = np.array(self._rows[start:min(stop, self.n_rows)])
+        self.bytes_read += out.nbytes
+        return out
+
+    # --- state -------------------------------------------------------------------------
+
+    def save_state(self, clean: bool = False) -> None:
+        self._require_writable()
+        state = np.array([(self.n_rows, self.generation, self.pass_index, int(clean))], dtype=STATE_DTYPE)
+        _pwrite_all(self._fd, memoryview(state).cast("B"), self._off["state"])
+
+    def drop_page_cache(self) -> None:
+        """Asks the kernel to drop this file's clean pages (for cold-read benchmarks)."""
+        os.fsync(self._fd) if self.writable else None
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def file_bytes(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        if self.writable:
+            self.save_state(clean=True)
+        # Dropping the arrays unmaps the file (numpy holds the mmap's buffer until then).
+        self._index = self._index_keys = self._rows = self._meta = None
+        os.close(self._fd)
+        self._fd = -1
+
+    def _require_writable(self) -> None:
+        if not self.writable:
+            raise ValueError(f"shard {self.path} was opened read-only")
+
+    def __enter__(self) -> "Shard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

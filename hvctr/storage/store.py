@@ -1,0 +1,445 @@
+"""EmbeddingStore: one rank's owned part of the table (SSD shard + CPU cache + admission).
+
+Every method takes keys this rank owns, as a 1-D uint64 array of unique keys (the exchange
+deduplicates before it calls), and is safe to call from two threads (one lock; ``warm`` lets
+go of it between chunks so a push from the main thread never waits for a whole prefetch).
+
+Reads go cache -> shard -> new row. A new key is admitted once it has been counted
+``storage.admit_after`` times (online, in a count-min sketch); until then it reads the shared
+default row (zeros) and its writes are dropped. An admitted new key gets its init row from
+the key (hvctr.storage.row), a shard position at once (so a full shard fails at the read that
+needs the room) and a dirty cache entry; the row reaches the shard on eviction or flush.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from hvctr.config import StorageConfig
+from hvctr.keys import default_bucket_owner, mix64
+from hvctr.storage.cache import RowCache
+from hvctr.storage.row import RowLayout, default_row, init_rows
+from hvctr.storage.shard import Shard
+
+_WARM_CHUNK = 1 << 16  # keys per locked step of warm()
+_CLEAN_GENERATION = -1  # row_meta generation of bulk-loaded rows: in no checkpoint delta
+
+
+def shard_path(shard_dir: str | Path, rank: int) -> str:
+    """The working shard file of ``rank`` under ``shard_dir``."""
+    return os.path.join(str(shard_dir), f"shard-r{rank:05d}.h5")
+
+
+def as_keys(keys: np.ndarray) -> np.ndarray:
+    """A 1-D uint64 view of keys given as uint64 or as int64 (torch's view of them)."""
+    keys = np.ascontiguousarray(keys)
+    if keys.dtype == np.int64:
+        keys = keys.view(np.uint64)
+    if keys.dtype != np.uint64 or keys.ndim != 1:
+        raise ValueError(f"keys must be a 1-D uint64 (or int64 view) array, got {keys.dtype} {keys.shape}")
+    return keys
+
+
+def _strictly_increasing(a: np.ndarray) -> bool:
+    return bool(np.all(a[1:] > a[:-1]))
+
+
+def _unique_keys(keys: np.ndarray) -> np.ndarray:
+    keys = as_keys(keys)
+    # Sorted input (np.unique's, or torch.unique's int64 order) proves uniqueness in O(n).
+    if keys.size > 1 and not (_strictly_increasing(keys) or _strictly_increasing(keys.view(np.int64))):
+        if np.unique(keys).size != keys.size:
+            raise ValueError("EmbeddingStore methods take unique keys; deduplicate first (np.unique)")
+    return keys
+
+
+class AdmissionSketch:
+    """Counts of not-yet-stored keys: a count-min sketch, 4 rows of saturating uint16.
+
+    ``add(keys)`` counts each key once and returns its estimated count (never below the true
+    count, so a key is never admitted late; collisions only admit some early).
+    """
+
+    ROWS = 4
+
+    def __init__(self, slots: int) -> None:
+        self.slots = int(slots)
+        self.table = np.zeros((self.ROWS, self.slots), dtype=np.uint16)
+        self._salts = mix64(np.arange(1, self.ROWS + 1, dtype=np.uint64) * np.uint64(0xA24BAED4963EE407))
+
+    def _cols(self, keys: np.ndarray) -> np.ndarray:
+        return (mix64(keys[None, :] ^ self._salts[:, None]) % np.uint64(self.slots)).astype(np.int64)
+
+    def estimate(self, keys: np.ndarray) -> np.ndarray:
+        cols = self._cols(keys)
+        return self.table[np.arange(self.ROWS)[:, None], cols].min(axis=0).astype(np.int64)
+
+    def add(self, keys: np.ndarray) -> np.ndarray:
+        cols = self._cols(keys)
+        est = np.minimum(self.table[np.arange(self.ROWS)[:, None], cols].min(axis=0).astype(np.int64) + 1, 65535)
+        for r in range(self.ROWS):  # conservative update; maximum.at handles shared counters
+            np.maximum.at(self.table[r], cols[r], est.astype(np.uint16))
+        return est
+
+
+class EmbeddingStore:
+    """One rank's part of the embedding table. See the module docstring for the semantics.
+
+    ``EmbeddingStore(cfg, path, rank=0, world_size=1, bucket_owner=None, create=None)``:
+    create None opens ``path`` if it exists, else creates it; True always creates a fresh
+    shard; False requires it to exist. bucket_owner defaults to hvctr.keys' round robin.
+    """
+
+    def __init__(self, cfg: StorageConfig, path: str | Path, rank: int = 0, world_size: int = 1,
+                 bucket_owner: np.ndarray | None = None, create: bool | None = None) -> None:
+        self.cfg = cfg
+        self.layout = RowLayout(cfg.dim)
+        self.path = str(path)
+        exists = os.path.exists(self.path)
+        if create is False and not exists:
+            raise ValueError(f"shard file {self.path} does not exist")
+        if create or not exists:
+            owner = default_bucket_owner(world_size) if bucket_owner is None else bucket_owner
+            self.shard = Shard.create(self.path, dim=cfg.dim, capacity=cfg.rows_per_rank,
+                                      world_size=world_size, rank=rank, bucket_owner=owner, seed=cfg.seed,
+                                      init_scale=cfg.init_scale, max_load_factor=cfg.max_load_factor)
+        else:
+            self.shard = Shard.open(self.path)
+            self._check_matches(rank, world_size)
+        self.cache = RowCache(self.layout.width, cfg.cpu_cache_bytes, cfg.cache_policy, cfg.lfu_aging_lookups)
+        self.admission = AdmissionSketch(cfg.admit_sketch_slots) if cfg.admit_after > 1 else None
+        self._default = default_row(self.layout)
+        self._lock = threading.RLock()
+        self.counters = dict.fromkeys(
+            ("created", "unadmitted_reads", "dropped_writes", "writeback_rows", "writethrough_rows",
+             "warmed_rows", "readonly_init_rows"), 0)
+        self.shard_s = 0.0  # seconds inside shard calls (index probes, row reads and writes)
+        self.total_s = 0.0  # seconds inside store methods
+        self._thread_times = threading.local()  # the same, per calling thread (exchange timing)
+
+    def _check_matches(self, rank: int, world_size: int) -> None:
+        s = self.shard
+        for key, have, want in (("dim", s.layout.dim, self.cfg.dim), ("rank", s.rank, rank),
+                                ("world_size", s.world_size, world_size)):
+            if have != want:
+                s.close()
+                raise ValueError(f"shard file {self.path} has {key}={have}, this run has {key}={want} "
+                                 f"(storage.dim, or a different world size: use a fresh shard_dir)")
+
+    @contextmanager
+    def _timed(self, shard: bool = False):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            tl = self._thread_times
+            if shard:
+                self.shard_s += dt
+                tl.shard_s = getattr(tl, "shard_s", 0.0) + dt
+            else:
+                self.total_s += dt
+                tl.total_s = getattr(tl, "total_s", 0.0) + dt
+
+    def thread_times(self) -> tuple[float, float]:
+        """(seconds in store methods, of which in shard calls) spent by the calling thread."""
+        tl = self._thread_times
+        return getattr(tl, "total_s", 0.0), getattr(tl, "shard_s", 0.0)
+
+    # --- the training path -------------------------------------------------------------
+
+    def read(self, keys: np.ndarray, count: bool = True) -> np.ndarray:
+        """Rows of ``keys`` (float32 [n, width]); new admitted keys are created with init rows.
+
+        ``count=False`` does not count the keys towards admission (a second read of the same
+        window, e.g. sync mode's gradient push).
+        """
+        keys = _unique_keys(keys)
+        with self._lock, self._timed():
+            ent = self.cache.lookup(keys, "access")
+            out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
+            hit = ent >= 0
+            out[hit] = self.cache.rows[ent[hit]]
+            miss = np.flatnonzero(~hit)
+            if miss.size:
+                out[miss] = self._read_misses(keys[miss], count)
+            return out
+
+    def _read_misses(self, keys: np.ndarray, count: bool) -> np.ndarray:
+        out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
+        with self._timed(shard=True):
+            pos = self.shard.lookup(keys)
+            found = np.flatnonzero(pos >= 0)
+            out[found] = self.shard.read_rows(pos[found])
+        new = np.flatnonzero(pos < 0)
+        admitted = self._admit(keys[new], count)
+        out[new[~admitted]] = self._default
+        self.counters["unadmitted_reads"] += int(np.count_nonzero(~admitted))
+        new = new[admitted]
+        if new.size:
+            out[new] = init_rows(keys[new], self.layout, self.cfg.init_scale, self.cfg.seed)
+            with self._timed(shard=True):
+                pos[new] = self.shard.insert(keys[new])
+            self.counters["created"] += new.size
+        # New rows first: those the cache cannot take must be written through, found ones
+        # are on the shard already and are simply not cached.
+        order = np.concatenate((new, found))
+        dirty = np.zeros(order.size, dtype=bool)
+        dirty[:new.size] = True
+        n_in = self._cache_insert(keys[order], out[order], pos[order], dirty)
+        if n_in < new.size:
+            rest = new[n_in:]
+            self._write_shard(pos[rest], keys[rest], out[rest])
+            self.counters["writethrough_rows"] += rest.size
+        return out
+
+    def _admit(self, keys: np.ndarray, count: bool) -> np.ndarray:
+        """Which new keys may be stored now."""
+        if self.admission is None or keys.size == 0:
+            return np.ones(keys.shape[0], dtype=bool)
+        seen = self.admission.add(keys) if count else self.admission.estimate(keys)
+        return seen >= self.cfg.admit_after
+
+    def _cache_insert(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray, dirty: np.ndarray | bool) -> int:
+        n_in, (vk, vp, vr) = self.cache.insert(keys, rows, pos, dirty)
+        if vk.size:
+            self._write_shard(vp, vk, vr)
+            self.counters["writeback_rows"] += vk.size
+        return n_in
+
+    def _write_shard(self, pos: np.ndarray, keys: np.ndarray, rows: np.ndarray) -> None:
+        with self._timed(shard=True):
+            self.shard.write_rows(pos, keys, rows)
+
+    def write(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Stores new values of ``keys`` into the cache, dirty (written through if it is full).
+
+        Keys the store does not hold are created if admitted (without counting), else their
+        rows are dropped (unadmitted keys keep reading the default row).
+        """
+        keys = _unique_keys(keys)
+        rows = np.asarray(rows, dtype=np.float32)
+        if rows.shape != (keys.shape[0], self.layout.width):
+            raise ValueError(f"write: rows of shape {rows.shape} for {keys.shape[0]} keys of width {self.layout.width}")
+        with self._lock, self._timed():
+            ent = self.cache.lookup(keys, "pin")
+            hit = ent >= 0
+            self.cache.update(ent[hit], rows[hit])
+            miss = np.flatnonzero(~hit)
+            if miss.size:
+                self._write_misses(keys[miss], rows[miss])
+
+    def _write_misses(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        with self._timed(shard=True):
+            pos = self.shard.lookup(keys)
+        new = np.flatnonzero(pos < 0)
+        admitted = self._admit(keys[new], count=False)
+        self.counters["dropped_writes"] += int(np.count_nonzero(~admitted))
+        keep = np.ones(keys.shape[0], dtype=bool)
+        keep[new[~admitted]] = False
+        new = new[admitted]
+        if new.size:
+            with self._timed(shard=True):
+                pos[new] = self.shard.insert(keys[new])
+            self.counters["created"] += new.size
+        idx = np.flatnonzero(keep)
+        n_in = self._cache_insert(keys[idx], rows[idx], pos[idx], True)
+        rest = idx[n_in:]
+        if rest.size:
+            self._write_shard(pos[rest], keys[rest], rows[rest])
+            self.counters["writethrough_rows"] += rest.size
+
+    def warm(self, keys: np.ndarray) -> None:
+        """Brings the shard rows of ``keys`` into the cache; answers nothing, changes no value.
+
+        Keys the shard does not hold are left alone (rows are created only by ``read``, and
+        admission counts only there), so warming never changes what a later read returns.
+        """
+        keys = _unique_keys(keys)
+        for start in range(0, keys.shape[0], _WARM_CHUNK):
+            chunk = keys[start:start + _WARM_CHUNK]
+            with self._lock, self._timed():
+                ent = self.cache.lookup(chunk, "pin")
+                miss = chunk[ent < 0]
+                if miss.size == 0:
+                    continue
+                with self._timed(shard=True):
+                    pos = self.shard.lookup(miss)
+                    found = np.flatnonzero(pos >= 0)
+                    rows = self.shard.read_rows(pos[found])
+                n_in = self._cache_insert(miss[found], rows, pos[found], False)
+                self.counters["warmed_rows"] += n_in
+
+    def read_only(self, keys: np.ndarray) -> np.ndarray:
+        """Rows for evaluation: nothing is inserted, counted or evicted.
+
+        A key the store does not hold reads its init row (computed, not stored), or the
+        default row when admission is on (what training read for it).
+        """
+        keys = _unique_keys(keys)
+        with self._lock, self._timed():
+            ent = self.cache.lookup(keys, "peek")
+            out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
+            hit = ent >= 0
+            out[hit] = self.cache.rows[ent[hit]]
+            miss = np.flatnonzero(~hit)
+            with self._timed(shard=True):
+                pos = self.shard.lookup(keys[miss])
+                found = pos >= 0
+                out[miss[found]] = self.shard.read_rows(pos[found])
+            unseen = miss[~found]
+            if self.admission is None:
+                out[unseen] = init_rows(keys[unseen], self.layout, self.cfg.init_scale, self.cfg.seed)
+            else:
+                out[unseen] = self._default
+            self.counters["readonly_init_rows"] += unseen.size
+            return out
+
+    # --- persistence -------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Writes every dirty cached row to the shard (they stay cached, clean) and the state."""
+        with self._lock, self._timed():
+            d = self.cache.dirty_entries()
+            if d.size:
+                self._write_shard(self.cache.pos[d], self.cache.keys[d], self.cache.rows[d])
+                self.cache.mark_clean(d)
+                self.counters["writeback_rows"] += d.size
+            self.shard.save_state(clean=False)
+
+    def end_pass(self) -> None:
+        """Closes a pass over the data (TTL clock): rows written from now on are seen in the next."""
+        with self._lock:
+            self.flush()
+            self.shard.pass_index += 1
+            self.shard.save_state(clean=False)
+
+    def compact(self) -> int:
+        """Drops rows not written during the last ``storage.ttl_passes`` passes; returns how many.
+
+        Rewrites the shard (temporary file, then rename) and empties the cache. Rows dropped
+        here appear in no checkpoint delta: write a new checkpoint base after compacting.
+        """
+        if self.cfg.ttl_passes == 0:
+            return 0
+        with self._lock:
+            self.flush()
+            self.cache.clear()
+            old, tmp = self.shard, self.path + ".compact"
+            new = Shard.create(tmp, dim=self.cfg.dim, capacity=old.capacity, world_size=old.world_size,
+                               rank=old.rank, bucket_owner=old.bucket_owner, seed=self.cfg.seed,
+                               init_scale=old.init_scale, max_load_factor=self.cfg.max_load_factor)
+            new.pass_index, new.generation = old.pass_index, old.generation
+            oldest = old.pass_index - self.cfg.ttl_passes
+            dropped = 0
+            for start in range(0, old.n_rows, 1 << 16):
+                meta = old.read_meta(start, start + (1 << 16))
+                rows = old.read_range(start, start + (1 << 16))
+                keep = meta["last_seen"] >= oldest
+                dropped += int(np.count_nonzero(~keep))
+                pos = new.insert(meta["key"][keep])
+                new.write_rows(pos, meta["key"][keep], rows[keep], meta["last_seen"][keep],
+                               meta["generation"][keep])
+            new.close()
+            old.close()
+            os.replace(tmp, self.path)
+            self.shard = Shard.open(self.path)
+            return dropped
+
+    def iter_rows(self, chunk_rows: int = 1 << 16, delta_only: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every stored (keys, rows), in shard order, in chunks; flushes first.
+
+        ``delta_only``: only rows written since the last checkpoint mark. Do not interleave
+        with writes (between windows, as checkpoints are).
+        """
+        self.flush()
+        for start in range(0, self.shard.n_rows, chunk_rows):
+            with self._lock:
+                meta = self.shard.read_meta(start, start + chunk_rows)
+                if delta_only:
+                    sel = np.flatnonzero(meta["generation"] == self.shard.generation)
+                    rows = self.shard.read_rows(start + sel)
+                    keys = meta["key"][sel]
+                else:
+                    rows = self.shard.read_range(start, start + chunk_rows)
+                    keys = meta["key"]
+            if keys.size:
+                yield keys, rows
+
+    def mark_checkpoint(self) -> None:
+        """Starts a new checkpoint generation: later writes form the next delta."""
+        with self._lock:
+            self.flush()
+            self.shard.generation += 1
+            self.shard.save_state(clean=False)
+
+    def take_checkpoint_delta(self, chunk_rows: int = 1 << 16) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, rows) written since the last mark, then the mark: the next delta starts empty."""
+        with self._lock:
+            parts = list(self.iter_rows(chunk_rows, delta_only=True))
+            self.mark_checkpoint()
+        if not parts:
+            return np.zeros(0, dtype=np.uint64), np.zeros((0, self.layout.width), dtype=np.float32)
+        return np.concatenate([k for k, _ in parts]), np.concatenate([r for _, r in parts])
+
+    def load_rows(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Bulk load (a checkpoint's base or delta): upserts straight into the shard.
+
+        Loaded rows belong to no delta (they are already in a checkpoint); cached copies of
+        these keys are dropped so that reads see the loaded values.
+        """
+        keys = _unique_keys(keys)
+        rows = np.asarray(rows, dtype=np.float32)
+        with self._lock, self._timed():
+            ent = self.cache.lookup(keys, "peek")
+            self.cache.discard(ent[ent >= 0])
+            with self._timed(shard=True):
+                pos = self.shard.lookup(keys)
+                new = np.flatnonzero(pos < 0)
+                pos[new] = self.shard.insert(keys[new])
+                self.shard.write_rows(pos, keys, rows, generation=_CLEAN_GENERATION)
+
+    # --- bookkeeping -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Counters since creation: cache hits/misses/evictions, shard bytes, rows, times."""
+        c, s = self.cache, self.shard
+        lookups = c.hits + c.misses
+        return {
+            "cache_hits": c.hits, "cache_misses": c.misses, "cache_evictions": c.evictions,
+            "cache_hit_rate": c.hits / lookups if lookups else 0.0,
+            "cache_rows": c.size, "cache_capacity_rows": c.capacity, "cache_bytes": c.nbytes,
+            "shard_rows": s.n_rows, "shard_capacity_rows": s.capacity,
+            "shard_bytes_read": s.bytes_read, "shard_bytes_written": s.bytes_written,
+            "store_s": self.total_s, "shard_s": self.shard_s, "cache_s": self.total_s - self.shard_s,
+            **self.counters,
+        }
+
+    def admission_state(self) -> np.ndarray | None:
+        """The admission sketch's counters (for checkpoints), None when admission is off."""
+        return None if self.admission is None else self.admission.table.copy()
+
+    def load_admission_state(self, table: np.ndarray | None) -> None:
+        if self.admission is not None and table is not None:
+            self.admission.table[...] = table
+
+    def close(self) -> None:
+        with self._lock:
+            if self.shard is None:
+                return
+            self.flush()
+            self.shard.close()
+            self.shard = None
+
+    def __enter__(self) -> "EmbeddingStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

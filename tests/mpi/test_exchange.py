@@ -1,0 +1,209 @@
+"""ShardedTable against an in-RAM dense reference; run under mpirun -np 2 and -np 3.
+
+Every rank can compute every rank's keys (seeded by window and rank), so every rank keeps
+the whole reference table: a dense array over a fixed universe of keys, updated by the
+merge rule written out plainly (sum the copies in ascending rank, divide by their count).
+Caches hold a few percent of the keys, so pulls read the SSD shard and evictions write back.
+"""
+
+import shutil
+import tempfile
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hvctr.config import CachePolicy, StorageConfig
+from hvctr.keys import default_bucket_owner, owner_of
+from hvctr.storage import EmbeddingStore, RowLayout, ShardedTable, init_rows, shard_path
+from hvctr.storage.cache import ENTRY_OVERHEAD_BYTES
+
+DIM = 4
+UNIVERSE = 3000
+
+
+def _cfg(cache_rows: int, policy: CachePolicy = CachePolicy.LFU) -> StorageConfig:
+    width = RowLayout(DIM).width
+    return StorageConfig(dim=DIM, rows_per_rank=UNIVERSE, cpu_cache_bytes=cache_rows * (4 * width + ENTRY_OVERHEAD_BYTES),
+                         cache_policy=policy, seed=7, init_scale=0.05)
+
+
+@pytest.fixture
+def shard_dir(comm):
+    d = tempfile.mkdtemp(prefix=f"hvctr-x-r{comm.rank}-")
+    yield d
+    comm.barrier()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _table(comm, shard_dir, cfg, sub="a"):
+    owner = default_bucket_owner(comm.size)
+    store = EmbeddingStore(cfg, shard_path(f"{shard_dir}/{sub}", comm.rank), comm.rank, comm.size, owner, create=True)
+    return ShardedTable(comm, store, owner, "cpu")
+
+
+def _universe():
+    rng = np.random.default_rng(12345)
+    return np.unique(rng.integers(0, 2**64 - 2, size=UNIVERSE, dtype=np.uint64, endpoint=False))
+
+
+def _window_idx(t, r, dist, n=200):
+    """Indices (into the universe) rank r touches in window t: unique, in no particular order."""
+    rng = np.random.default_rng([t, r, 99])
+    if dist == "zipf":
+        idx = np.minimum(rng.zipf(1.1, size=n) - 1, UNIVERSE - 1)
+    else:
+        idx = rng.integers(0, UNIVERSE, size=n)
+    return rng.permutation(np.unique(idx))
+
+
+def _delta(t, r, n, width):
+    return np.random.default_rng([t, r, 7]).standard_normal((n, width)).astype(np.float32)
+
+
+def _reference_merge(ref, contributions):
+    """contributions: list over ranks (ascending) of (idx, rows). Sum, then divide by count."""
+    total, count = {}, {}
+    for idx, rows in contributions:
+        for i, row in zip(idx.tolist(), rows):
+            total[i] = row.copy() if i not in total else total[i] + row
+            count[i] = count.get(i, 0) + 1
+    for i in total:
+        ref[i] = total[i] / np.float32(count[i])
+
+
+@pytest.mark.parametrize("dist", ["uniform", "zipf"])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_pulls_and_pushes_match_dense_reference(comm, shard_dir, dist, prefetch):
+    cfg = _cfg(cache_rows=60)
+    table = _table(comm, shard_dir, cfg)
+    layout, uni = RowLayout(DIM), _universe()
+    ref = init_rows(uni, layout, cfg.init_scale, cfg.seed)
+    windows = 8
+    for t in range(windows):
+        mine = _window_idx(t, comm.rank, dist)
+        rows = table.pull(uni[mine], name=f"t.p{t}")
+        assert rows.dtype == torch.float32 and rows.shape == (mine.size, layout.width)
+        np.testing.assert_array_equal(rows.numpy(), ref[mine])
+        if prefetch and t + 1 < windows:  # warm window t+1 before window t's push lands
+            table.warm(uni[_window_idx(t + 1, comm.rank, dist)], name=f"t.w{t + 1}")
+        table.push(uni[mine], rows + torch.from_numpy(_delta(t, comm.rank, mine.size, layout.width)), name=f"t.u{t}")
+        contributions = []
+        for r in range(comm.size):
+            idx = _window_idx(t, r, dist)
+            contributions.append((idx, ref[idx] + _delta(t, r, idx.size, layout.width)))
+        _reference_merge(ref, contributions)
+    stats = table.store.stats()
+    assert stats["cache_evictions"] > 0 and stats["writeback_rows"] > 0 and stats["shard_bytes_read"] > 0
+    # Every row this rank owns, read back from its shard after a flush, equals the reference.
+    owned_ref = {}
+    touched = np.unique(np.concatenate([_window_idx(t, r, dist) for t in range(windows) for r in range(comm.size)]))
+    mine_owned = touched[owner_of(uni[touched], table.bucket_owner) == comm.rank]
+    for k, i in zip(uni[mine_owned].tolist(), mine_owned.tolist()):
+        owned_ref[k] = i
+    keys, rows = map(np.concatenate, zip(*table.store.iter_rows(chunk_rows=500)))
+    assert sorted(keys.tolist()) == sorted(owned_ref)
+    np.testing.assert_array_equal(rows, ref[[owned_ref[k] for k in keys.tolist()]])
+    table.store.close()
+
+
+def test_warm_then_pull_equals_cold_pull(comm, shard_dir):
+    cfg = _cfg(cache_rows=40)
+    warm_t, cold_t = _table(comm, shard_dir, cfg, "warm"), _table(comm, shard_dir, cfg, "cold")
+    uni = _universe()
+    for t in range(4):  # the same history on both tables
+        idx = _window_idx(t, comm.rank, "uniform")
+        for tab, tag in ((warm_t, "a"), (cold_t, "b")):
+            rows = tab.pull(uni[idx], name=f"h.{tag}.p{t}")
+            tab.push(uni[idx], rows * 1.5 + 0.25, name=f"h.{tag}.u{t}")
+    nxt = uni[_window_idx(2, comm.rank, "uniform")]  # rows that were evicted to the shard since
+    before = warm_t.store.stats()["warmed_rows"]
+    warm_t.warm(nxt, name="h.warm")
+    assert warm_t.store.stats()["warmed_rows"] > before
+    hits_before = warm_t.store.stats()["cache_hits"]
+    got_warm = warm_t.pull(nxt, name="h.a.final")
+    got_cold = cold_t.pull(nxt, name="h.b.final")
+    assert torch.equal(got_warm, got_cold)
+    assert warm_t.store.stats()["cache_hits"] - hits_before > 0
+    warm_t.store.close()
+    cold_t.store.close()
+
+
+def test_pull_after_push_sees_the_push(comm, shard_dir):
+    table = _table(comm, shard_dir, _cfg(cache_rows=0))  # no cache: every write lands on the shard
+    uni = _universe()[:50]
+    def keys_of(r):  # ranks 0 and 2 send the same keys: copies are averaged
+        return uni[r % 2::2] if comm.size > 1 else uni
+
+    keys = keys_of(comm.rank)
+    rows = table.pull(keys, name="s.p0")
+    table.push(keys, torch.full_like(rows, float(comm.rank + 1)), name="s.u0")
+    got = table.pull(uni, name="s.p1")
+    senders = [set(keys_of(r).tolist()) for r in range(comm.size)]
+    for k, row in zip(uni.tolist(), got.numpy()):
+        sent = [r + 1 for r in range(comm.size) if k in senders[r]]
+        expect = np.float32(sum(np.float32(v) for v in sent)) / np.float32(len(sent))
+        assert np.all(row == expect), (k, row, sent)
+    table.store.close()
+
+
+def test_push_gradients_sums_over_ranks_and_applies(comm, shard_dir):
+    cfg = _cfg(cache_rows=30)
+    table = _table(comm, shard_dir, cfg)
+    layout, uni = RowLayout(DIM), _universe()[:400]
+    ref = init_rows(uni, layout, cfg.init_scale, cfg.seed)
+    lr = np.float32(0.1)
+
+    def apply_fn(rows, grads):
+        out = rows.clone()
+        out[:, layout.model] -= lr * grads
+        out[:, layout.step] += 1
+        return out
+
+    for t in range(3):
+        idx = np.random.default_rng([t, comm.rank]).permutation(400)[:150]
+        got = table.pull(uni[idx], name=f"g.p{t}")
+        np.testing.assert_array_equal(got.numpy(), ref[idx])
+        grads = np.random.default_rng([t, comm.rank, 1]).standard_normal((150, layout.model_width)).astype(np.float32)
+        table.push_gradients(uni[idx], torch.from_numpy(grads), apply_fn, name=f"g.u{t}")
+        total = {}
+        for r in range(comm.size):
+            ridx = np.random.default_rng([t, r]).permutation(400)[:150]
+            rg = np.random.default_rng([t, r, 1]).standard_normal((150, layout.model_width)).astype(np.float32)
+            for i, g in zip(ridx.tolist(), rg):
+                total[i] = g.copy() if i not in total else total[i] + g
+        for i, g in total.items():
+            ref[i, layout.model] -= lr * (g / np.float32(comm.size))
+            ref[i, layout.step] += 1
+    np.testing.assert_array_equal(table.pull(uni, name="g.final").numpy(), ref)
+    table.store.close()
+
+
+def test_read_only_inserts_nothing_and_warm_runs_beside_push(comm, shard_dir):
+    cfg = _cfg(cache_rows=50)
+    table = _table(comm, shard_dir, cfg)
+    layout, uni = RowLayout(DIM), _universe()
+    seen, unseen = uni[:300], uni[2000:2300]
+    rows = table.pull(seen, name="r.p0")
+    n_rows = table.store.shard.n_rows
+    got = table.read_only(np.concatenate([seen, unseen]), name="r.ro")
+    np.testing.assert_array_equal(got[300:].numpy(), init_rows(unseen, layout, cfg.init_scale, cfg.seed))
+    np.testing.assert_array_equal(got[:300].numpy(), rows.numpy())
+    assert table.store.shard.n_rows == n_rows
+    # A prefetch thread warms the next keys while the main thread pushes (distinct names).
+    nxt = uni[1000:1400]
+    th = threading.Thread(target=table.warm, args=(nxt, "r.warm"))
+    th.start()
+    mine = slice(comm.rank, None, comm.size)  # ranks push disjoint parts: no averaging here
+    table.push(seen[mine], rows[mine] + 1, name="r.u0")
+    th.join()
+    expect = rows.numpy().copy()
+    expect += 1
+    np.testing.assert_array_equal(table.pull(seen, name="r.p1").numpy(), expect)
+    stats = table.stats()
+    assert stats["pull_calls"] == 2 and stats["warm_calls"] == 1
+    assert all(stats[f"pull_{k}"] >= 0 for k in ("exchange_s", "cache_s", "shard_s"))
+    if comm.size > 1:
+        assert stats["pull_bytes_sent"] > 0 and stats["push_bytes_received"] > 0
+    table.store.close()
