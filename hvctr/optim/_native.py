@@ -64,7 +64,7 @@ void hv_sparse_adam(float *rows, int64_t width, const int64_t *idx, int64_t n,
         const float bc2_sqrt = (float)sqrt(1.0 - pow(beta2, (double)step));
         for (int64_t j = 0; j < c; ++j) {
             const float mj = m[j] + w1 * (g[j] - m[j]);
-            const float vj = v[j] * b2 + w2 * (g[j] * g[j]);
+            const float vj = v[j] * b2 + (w2 * g[j]) * g[j];
             m[j] = mj;
             v[j] = vj;
             p[j] = p[j] - (step_size * mj) / (sqrtf(vj) / bc2_sqrt + eps);
