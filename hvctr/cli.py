@@ -17,6 +17,8 @@ import hvctr
 
 # name -> (module, one-line help). The module provides add_arguments(parser) and run(args, overrides).
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("hvctr.train.cmd", "train a CTR model (under mpirun/srun: python -m mpi4py -m hvctr train ...)"),
+    "eval": ("hvctr.train.eval_cmd", "evaluate a run's newest checkpoint on its validation split"),
     "config": ("hvctr.config_cmd", "print the resolved configuration (defaults < file < flags) as TOML"),
     "topo": ("hvctr.topo.cmd", "discover the node's hardware map (TOML), or print the placement plan of its ranks"),
 }

@@ -61,9 +61,11 @@ class Comm:
         (the only traffic between nodes), then the node's sum again where only the leader
         contributes (a broadcast; adding exact zeros keeps the leader's bits).
         """
+        tensors = list(tensors)
+        if not tensors:  # Horovod's grouped_allreduce fails on an empty group
+            return []
         if self.num_nodes == 1 or self.size == self.num_nodes:
             return self.allreduce_sum(tensors, name)
-        tensors = list(tensors)
         # comm: intra-node grouped allreduce (Sum) over this rank's node process set
         partial = hvd.grouped_allreduce(tensors, op=hvd.Sum, name=f"{name}.intra",
                                         process_set=self._node_set)
@@ -149,6 +151,13 @@ def _encode(obj: Any) -> torch.Tensor:
 
 def _decode(t: torch.Tensor) -> Any:
     return json.loads(bytes(t.numpy().tobytes()).decode()) if t.numel() else None
+
+
+def world_rank() -> int:
+    """This process's MPI rank before Horovod starts (0 outside MPI): for reporting only."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
 
 
 def _node_grouping(ranks_per_virtual_node: int) -> list[list[int]]:

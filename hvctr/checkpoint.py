@@ -1,0 +1,227 @@
+"""Checkpoints: a base plus deltas, one HDF5 file per rank per checkpoint, a manifest last.
+
+    <checkpoint dir>/
+      ckpt-000004/ rank-00000.h5 rank-00001.h5 manifest.json   base (every row of the table)
+      ckpt-000005/ ...                                          delta (rows written since 4)
+      ckpt-000006/ ...                                          delta (rows written since 5)
+
+A checkpoint is taken at a window boundary, after the merge. Every rank flushes its cache and
+writes the rows it wrote since the previous checkpoint (a delta; every
+``checkpoint.compact_every`` checkpoints all its rows: a new base), its dense state (parameters,
+Adam moments and step: with ``merge.states = params`` the moments differ per rank) and its
+admission counters, under a temporary name, then renames the file. Rank 0 gathers the files'
+checksums and writes manifest.json last (temporary name, rename): the manifest is the
+completion marker. A directory without a manifest, or whose checksums do not match, is not a
+checkpoint; resume falls back to the newest complete one.
+
+The working shard is only a working copy: after a crash it may hold rows written after the
+last checkpoint (evictions write back), so resume rebuilds it from the base and the deltas of
+the chosen checkpoint's chain. Nothing loaded runs code: HDF5 datasets and JSON, no pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from hvctr.log import get_logger
+
+log = get_logger(__name__)
+
+FORMAT_VERSION = 1
+_PREFIX = "ckpt-"
+_LOAD_CHUNK = 1 << 18  # rows per bulk load when rebuilding a shard
+
+
+@dataclass
+class TrainState:
+    """Where training stands at a window boundary; identical on every rank."""
+
+    epoch: int = 0
+    batch: int = 0  # next batch index within the epoch
+    window: int = 0  # next window number
+    step: int = 0  # local steps taken so far (per rank)
+    samples: int = 0  # samples trained on, all ranks together
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.h5"
+
+
+def _seq_of(path: Path) -> int:
+    return int(path.name[len(_PREFIX):])
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+class CheckpointManager:
+    """Writes, finds, verifies and loads checkpoints for one rank (collectives through comm)."""
+
+    def __init__(self, directory: str | Path, comm, keep: int, compact_every: int) -> None:
+        self.dir = Path(directory)
+        self.comm = comm
+        self.keep = keep
+        self.compact_every = compact_every
+        if comm.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        self._last: dict[str, Any] | None = None  # manifest of the newest checkpoint written or loaded
+
+    # --- writing ------------------------------------------------------------------------
+
+    def save(self, store, dense: dict[str, torch.Tensor], state: TrainState, extra: dict[str, Any]) -> Path:
+        """Writes checkpoint seq+1 (collective: every rank calls it at the same boundary)."""
+        seq = 0 if self._last is None else self._last["seq"] + 1
+        is_base = self._last is None or (seq - self._last["base_seq"]) >= self.compact_every
+        base_seq = seq if is_base else self._last["base_seq"]
+        chain = [seq] if is_base else self._last["chain"] + [seq]
+        ckdir = self.dir / f"{_PREFIX}{seq:06d}"
+        ckdir.mkdir(parents=True, exist_ok=True)
+        path = ckdir / _rank_file(self.comm.rank)
+        # Stream the rows: a base holds the whole shard, far more than memory.
+        rows_written = self._write_rank_file(path, seq, "base" if is_base else "delta",
+                                             store.iter_rows(delta_only=not is_base),
+                                             store.layout.width, dense, store.admission_state())
+        store.mark_checkpoint()
+        mine = {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size,
+                "rows": rows_written}
+        # comm: allgather of every rank's file record (also the barrier before the manifest)
+        files = self.comm.allgather_object(mine, name=f"ckpt{seq}.files")
+        manifest = {"format_version": FORMAT_VERSION, "seq": seq, "kind": "base" if is_base else "delta",
+                    "base_seq": base_seq, "chain": chain, "world_size": self.comm.size,
+                    "state": asdict(state), "files": files, **extra}
+        if self.comm.rank == 0:
+            _write_json(ckdir / "manifest.json", manifest)
+            self._prune(manifest)
+        self._last = manifest
+        # comm: barrier so that no rank runs ahead of a manifest that is not yet written
+        self.comm.barrier()
+        return ckdir
+
+    def _write_rank_file(self, path: Path, seq: int, kind: str, parts, width: int,
+                         dense: dict[str, torch.Tensor], admission: np.ndarray | None) -> int:
+        tmp = path.with_name(path.name + ".tmp")
+        n = 0
+        with h5py.File(tmp, "w", libver=("v110", "v110"), track_order=True) as f:
+            f.attrs.update({"format_version": FORMAT_VERSION, "seq": seq, "kind": kind,
+                            "rank": self.comm.rank, "world_size": self.comm.size})
+            kds = f.create_dataset("keys", shape=(0,), maxshape=(None,), dtype=np.uint64,
+                                   chunks=(1 << 16,), track_times=False)
+            rds = f.create_dataset("rows", shape=(0, width), maxshape=(None, width), dtype=np.float32,
+                                   chunks=(max(1, (1 << 20) // (4 * width)), width), track_times=False)
+            for keys, rows in parts:
+                kds.resize((n + keys.shape[0],))
+                rds.resize((n + keys.shape[0], width))
+                kds[n:] = keys
+                rds[n:] = rows
+                n += keys.shape[0]
+            g = f.create_group("dense", track_order=True)
+            for name, t in dense.items():
+                g.create_dataset(name, data=t.detach().cpu().numpy(), track_times=False)
+            if admission is not None:
+                f.create_dataset("admission", data=admission, track_times=False)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        return n
+
+    def _prune(self, newest: dict[str, Any]) -> None:
+        """Keeps the newest ``keep`` complete checkpoints and the bases and deltas they need."""
+        complete = self._complete_manifests()
+        needed: set[int] = set()
+        for m in complete[: self.keep]:
+            needed.update(m["chain"])
+        needed.update(newest["chain"])
+        for path in sorted(self.dir.glob(f"{_PREFIX}*")):
+            try:
+                seq = _seq_of(path)
+            except ValueError:
+                continue
+            if seq not in needed and seq < newest["seq"]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # --- finding and loading ------------------------------------------------------------
+
+    def _complete_manifests(self) -> list[dict[str, Any]]:
+        """Manifests found on disk, newest first (a directory without one is ignored)."""
+        out = []
+        for path in self.dir.glob(f"{_PREFIX}*/manifest.json"):
+            try:
+                out.append(json.loads(path.read_text()))
+            except (OSError, json.JSONDecodeError) as e:
+                log.warning(f"ignoring unreadable checkpoint manifest {path}: {e}")
+        return sorted(out, key=lambda m: m["seq"], reverse=True)
+
+    def _verify_mine(self, manifest: dict[str, Any], by_seq: dict[int, dict[str, Any]]) -> str:
+        """'' when this rank's files of the chain exist and match their checksums, else why not."""
+        if manifest["world_size"] != self.comm.size:
+            return (f"checkpoint {manifest['seq']} was written by {manifest['world_size']} ranks, this run "
+                    f"has {self.comm.size} (resharding is not supported yet)")
+        for seq in manifest["chain"]:
+            m = by_seq.get(seq)
+            if m is None:
+                return f"checkpoint {seq} (in the chain of {manifest['seq']}) has no manifest"
+            rec = m["files"][self.comm.rank]
+            path = self.dir / f"{_PREFIX}{seq:06d}" / rec["file"]
+            if not path.is_file():
+                return f"{path} is missing"
+            if path.stat().st_size != rec["bytes"] or file_sha256(path) != rec["sha256"]:
+                return f"{path} does not match its checksum in the manifest (truncated or corrupted)"
+        return ""
+
+    def find_latest(self) -> dict[str, Any] | None:
+        """The newest checkpoint every rank can load (collective), or None."""
+        manifests = self._complete_manifests() if self.dir.is_dir() else []
+        by_seq = {m["seq"]: m for m in manifests}
+        # comm: rank 0's candidate list, so every rank tries the same checkpoints in the same order
+        candidates = self.comm.broadcast_object([m["seq"] for m in manifests], root=0, name="ckpt.candidates")
+        for seq in candidates or []:
+            m = by_seq.get(seq)
+            problem = "no manifest on this rank's view of the directory" if m is None else self._verify_mine(m, by_seq)
+            if problem and m is not None and m["world_size"] != self.comm.size:
+                raise ValueError(f"{self.dir}: {problem}")
+            if problem:
+                log.warning(f"rank {self.comm.rank}: skipping checkpoint {seq}: {problem}")
+            # comm: allreduce (Min) of 'my files are good', so that all ranks fall back together
+            (ok,) = self.comm.allreduce_min_int([0 if problem else 1], name=f"ckpt.verify.{seq}")
+            if ok:
+                return m
+        return None
+
+    def load(self, manifest: dict[str, Any], store) -> dict[str, np.ndarray]:
+        """Rebuilds ``store`` (a freshly created shard) from the chain; returns the dense state."""
+        dense: dict[str, np.ndarray] = {}
+        admission = None
+        for seq in manifest["chain"]:
+            path = self.dir / f"{_PREFIX}{seq:06d}" / _rank_file(self.comm.rank)
+            with h5py.File(path, "r") as f:
+                kds, rds = f["keys"], f["rows"]
+                for start in range(0, kds.shape[0], _LOAD_CHUNK):
+                    store.load_rows(kds[start:start + _LOAD_CHUNK], rds[start:start + _LOAD_CHUNK])
+                if seq == manifest["seq"]:
+                    dense = {name: ds[...] for name, ds in f["dense"].items()}
+                    admission = f["admission"][...] if "admission" in f else None
+        store.load_admission_state(admission)
+        store.mark_checkpoint()
+        self._last = manifest
+        return dense

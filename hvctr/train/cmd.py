@@ -1,0 +1,150 @@
+"""``hvctr train`` and ``hvctr eval``: the jobs users launch under mpirun or srun.
+
+    mpirun -np 2 --bind-to none python -m mpi4py -m hvctr train --config run.toml --merge.every_k_steps=8
+
+Set-up order matters: config (identical on every rank, so a bad one fails everywhere before
+any collective), Horovod, placement (affinity, memory policy, threads: before CUDA and before
+any large allocation), then the trainer. Exit codes: 0 done, 2 bad config or input,
+75 (EX_TEMPFAIL) stopped by a signal after a checkpoint: the batch script requeues the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hvctr.config import Config, load_config, write_toml
+from hvctr.dist import init_comm
+from hvctr.dist.comm import world_rank
+from hvctr.log import get_logger, setup_logging
+
+log = get_logger(__name__)
+
+EXIT_REQUEUE = 75
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file (see slurm/configs/); --section.key=value flags override it")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint of the run directory (starts fresh if none)")
+
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:  # hvctr eval (hvctr/train/eval_cmd.py)
+    p.add_argument("--run-dir", required=True, help="a run directory written by hvctr train")
+    p.add_argument("--split", default="valid", choices=("valid", "train"))
+
+
+def _load(path: str | None, overrides: list[str]) -> Config:
+    try:
+        return load_config(path, overrides)
+    except ValueError:
+        if world_rank() != 0:  # every rank has the same config: one report is enough
+            raise SystemExit(2) from None
+        raise
+
+
+def _start(cfg: Config, run_dir: Path):
+    """Horovod, logging, placement, determinism. Returns (comm, device)."""
+    comm = init_comm(cfg.topology.ranks_per_virtual_node)
+    if comm.rank == 0:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    comm.barrier()  # comm: barrier: the run directory exists before any rank opens its log
+    setup_logging(comm.rank, comm.size, cfg.metrics.all_ranks, file=str(run_dir / "logs" / f"rank-{comm.rank:05d}.log"))
+    from hvctr.topo.bind import apply_placement, binding_report, format_binding_table
+
+    placement = apply_placement(cfg.topology, comm.local_rank, comm.local_size)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    elif not placement.bound:
+        torch.set_num_threads(1)  # ranks share the node's cores: one thread each unless a plan says more
+    torch.use_deterministic_algorithms(True)
+    # comm: allgather of every rank's effective binding, for one table on rank 0
+    reports = comm.allgather_object(binding_report(placement), name="binding")
+    log.info("rank binding:\n" + format_binding_table(reports))
+    if comm.rank == 0:
+        (run_dir / "binding.json").write_text(json.dumps(reports, indent=1))
+    device = torch.device(_device(cfg, placement.device))
+    return comm, device
+
+
+def _device(cfg: Config, planned: str) -> str:
+    want = cfg.train.device.value
+    if want == "cpu":
+        return "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("config key 'train.device': cuda asked for, but CUDA is not available on this node")
+    return planned if planned.startswith("cuda") or want == "auto" else "cuda"
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = _load(args.config, overrides)
+    run_dir = Path(cfg.train.run_dir)
+    comm, device = _start(cfg, run_dir)
+    from hvctr.train.trainer import Trainer
+
+    if comm.rank == 0:
+        write_toml(cfg, run_dir / "config.toml")
+    log.info(f"hvctr train: {comm.size} ranks on {comm.num_nodes} node(s), run dir {run_dir}, device {device}")
+    trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume)
+    trainer.install_signal_handlers()
+    try:
+        summary = trainer.train()
+        if not trainer.preempted:
+            summary["eval"] = trainer.evaluate("valid")
+    finally:
+        trainer.close()
+    if comm.rank == 0:
+        _write_json(run_dir / "summary.json", summary)
+        log.info(format_summary(summary))
+    if trainer.preempted:
+        log.warning(f"stopped by a signal after a checkpoint; resume with --resume (exit {EXIT_REQUEUE})")
+        return EXIT_REQUEUE
+    return 0
+
+
+def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise ValueError(f"{run_dir} is not a run directory: {run_dir / 'config.toml'} is missing")
+    cfg = _load(str(run_dir / "config.toml"), overrides)
+    comm, device = _start(cfg, run_dir)
+    from hvctr.train.trainer import Trainer
+
+    trainer = Trainer(cfg, comm, device, run_dir, resume=True)
+    try:
+        if trainer.state.step == 0:
+            raise ValueError(f"{run_dir}: no complete checkpoint to evaluate")
+        result = trainer.evaluate(args.split)
+    finally:
+        trainer.close()
+    if comm.rank == 0:
+        _write_json(run_dir / f"eval-{args.split}.json", result)
+        log.info(f"eval {args.split}: " + "  ".join(f"{k} {v:.5g}" for k, v in result.items()))
+    return 0
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    ev = s.get("eval", {})
+    split = s["time_split_s"]
+    total = max(sum(split.values()), 1e-9)
+    lines = [
+        "summary",
+        f"  validation     AUC {ev.get('auc', float('nan')):.4f}   logloss {ev.get('logloss', float('nan')):.4f}"
+        f"   COPC {ev.get('copc', float('nan')):.3f}   ({ev.get('count', 0):,.0f} rows)",
+        f"  throughput     {s['samples_per_s']:,.0f} samples/s   {s['samples']:,} samples in {s['seconds']:.1f} s",
+        "  time split     " + "   ".join(f"{k} {v:.1f} s ({100 * v / total:.0f}%)" for k, v in split.items()),
+        f"  merge bytes    dense {s['dense_bytes_per_sample']:.1f} B/sample   sparse {s['sparse_bytes_per_sample']:.1f} B/sample",
+        f"  cache          hit rate {s['store'].get('cache_hit_rate', 0):.3f}   shard rows {s['store'].get('shard_rows', 0):,.0f}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""The window schedule, and the prefetch thread that prepares window t+1 while t trains.
+
+Every rank produces the same sequence of windows, and so the same sequence of collectives:
+- the number of batches per epoch is agreed once (the minimum over ranks; the rest dropped);
+- each window's length is the minimum over ranks of what each can take (k, the end of the
+  epoch, the working-set bound), agreed by an allreduce-min;
+- the thread prepares window t+1 only when the main thread asks for it, which it does when it
+  takes window t. So when a stop is agreed at merge(t), every rank's thread has started
+  exactly window t+1 and no further: no rank is left waiting in a collective for t+2.
+
+Prefetch warms, it never answers: the thread reads the data, agrees on the length, computes the
+unique keys and asks their owners to bring missing rows from SSD into the CPU cache. The rows
+themselves are pulled by the main thread after merge(t), so window t+1 sees the state after
+merge(t), and prefetch on or off gives bit-equal models.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+
+from hvctr.log import get_logger
+from hvctr.train.window import Window, build_window, fitting_prefix
+
+log = get_logger(__name__)
+
+
+class BatchReader(Protocol):
+    def read(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Batches first .. first+count-1 of the epoch: labels [n,B], dense [n,B,13], keys [n,B,F]."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    batches_per_epoch: int  # agreed over ranks
+    epochs: int
+    every_k_steps: int
+    max_working_set_rows: int
+    max_steps: int  # 0: no limit
+
+    def total_steps(self) -> int:
+        total = self.batches_per_epoch * self.epochs
+        return min(total, self.max_steps) if self.max_steps else total
+
+
+class WindowSource:
+    """Yields the run's windows in order from (epoch, batch) ``start``; see the module docstring."""
+
+    def __init__(self, reader_for_epoch: Callable[[int], BatchReader], schedule: Schedule, comm,
+                 warm: Callable[[np.ndarray, str], None] | None, start: tuple[int, int, int],
+                 prefetch: bool, timeout_s: float) -> None:
+        self._reader_for_epoch = reader_for_epoch
+        self._schedule = schedule
+        self._comm = comm
+        self._warm = warm if prefetch else None
+        self._epoch, self._batch, self._index = start  # next window's epoch, first batch, number
+        self._steps_done = start[0] * schedule.batches_per_epoch + start[1]
+        self._readers: dict[int, BatchReader] = {}
+        self._timeout_s = timeout_s
+        self._prefetch = prefetch
+        self.read_seconds = 0.0  # data reading time, main thread or prefetch thread
+        if prefetch:
+            self._requests: queue.Queue[bool] = queue.Queue()
+            self._ready: queue.Queue[tuple[str, object]] = queue.Queue(maxsize=1)
+            self._thread = threading.Thread(target=self._run, name="hvctr-prefetch", daemon=True)
+            self._thread.start()
+            self._requests.put(True)  # the first window
+
+    # --- producing windows (thread or main) -----------------------------------------------
+
+    def _produce(self) -> Window | None:
+        s = self._schedule
+        remaining_total = s.total_steps() - self._steps_done
+        if self._epoch >= s.epochs or remaining_total <= 0:
+            return None
+        t0 = time.perf_counter()
+        want = min(s.every_k_steps, s.batches_per_epoch - self._batch, remaining_total)
+        reader = self._readers.get(self._epoch) or self._readers.setdefault(
+            self._epoch, self._reader_for_epoch(self._epoch))
+        labels, dense, keys = reader.read(self._batch, want)
+        fit = fitting_prefix(keys, s.max_working_set_rows)
+        # comm: allreduce (Min) of the window length every rank can take
+        (n,) = self._comm.allreduce_min_int([fit], name=f"window{self._index}.len")
+        window = build_window(self._index, self._epoch, self._batch, labels[:n], dense[:n], keys[:n])
+        self.read_seconds += time.perf_counter() - t0
+        if self._warm is not None:
+            self._warm(window.unique_keys, f"window{self._index}.warm")
+        self._index += 1
+        self._batch += n
+        self._steps_done += n
+        if self._batch >= s.batches_per_epoch:
+            self._readers.pop(self._epoch, None)
+            self._epoch, self._batch = self._epoch + 1, 0
+        return window
+
+    def _run(self) -> None:
+        try:
+            while self._requests.get():
+                window = self._produce()
+                self._ready.put(("window", window))
+                if window is None:
+                    return
+        except BaseException as e:  # re-raised in the main thread by next()
+            self._ready.put(("error", e))
+
+    # --- consuming (main thread) ---------------------------------------------------------
+
+    def next(self) -> Window | None:
+        if not self._prefetch:
+            return self._produce()
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                kind, item = self._ready.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("prefetch thread ended without a window") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"no window from the prefetch thread within train.queue_timeout_s="
+                        f"{self._timeout_s:g} s (data reading or a collective is stuck)") from None
+        if kind == "error":
+            raise RuntimeError(f"prefetch thread failed: {item!r}") from item  # type: ignore[arg-type]
+        if item is not None:
+            self._requests.put(True)  # window t taken: start preparing t+1
+        return item  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stops after the window in preparation (every rank stops at the same one)."""
+        if not self._prefetch or not self._thread.is_alive():
+            return
+        self._requests.put(False)
+        self._thread.join(timeout=self._timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError("prefetch thread did not stop")

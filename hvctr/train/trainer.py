@@ -1,0 +1,285 @@
+"""The training loop in windows of k steps.
+
+    for window in windows:                      # the prefetch thread prepares window t+1
+        rows = table.pull(window.unique_keys)   # working set [U, row] from the owners
+        for batch in window: local step         # gather -> model -> loss -> backward -> lazy/dense Adam
+        merger.merge(dense params, Adam moments, flags)   # one grouped allreduce
+        table.push(window.unique_keys, rows)    # owners average each row over its contributors
+        maybe checkpoint; stop if any rank asked
+
+``merge.mode = sync`` is the baseline: windows of one step, dense gradients averaged before
+every Adam step, sparse gradients pushed to the owners, which apply one Adam step.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hvctr.checkpoint import CheckpointManager, TrainState
+from hvctr.config import Config, MergeMode
+from hvctr.keys import default_bucket_owner
+from hvctr.log import get_logger
+from hvctr.metrics import EvalAccumulator
+from hvctr.models import build_model
+from hvctr.optim import (apply_adam_to_rows, gather_rows, get_adam_states, set_adam_states,
+                         sparse_adam_step, sum_rows_grad)
+from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
+from hvctr.train.feed import TrainData
+from hvctr.train.merger import KStepMerger, SyncGradients
+from hvctr.train.meter import Meter
+from hvctr.train.prefetch import Schedule, WindowSource
+from hvctr.train.window import Window
+
+log = get_logger(__name__)
+
+STOP, CHECKPOINT = 0, 1  # indices of the control flags carried by the merge
+
+
+class Trainer:
+    def __init__(self, cfg: Config, comm, device: torch.device, run_dir: Path, resume: bool) -> None:
+        self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
+        self.dim = cfg.storage.dim
+        self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
+        t = cfg.train
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=t.dense_lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        self.data = TrainData(cfg.data, comm)
+        self.store, self.table = self._build_table()
+        self.reducer = self._build_reducer()
+        self.ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", comm,
+                                      cfg.checkpoint.keep, cfg.checkpoint.compact_every)
+        self.state = TrainState()
+        self.meter = Meter(comm.rank, run_dir / "metrics.jsonl", cfg.metrics.log_every_steps,
+                           cfg.data.batch_size_per_rank, comm.size)
+        self._flags = [0, 0]  # set by signal handlers, carried by the next merge
+        self.preempted = False
+        if resume:
+            self._resume()
+
+    # --- building ------------------------------------------------------------------------
+
+    def _build_table(self) -> tuple[EmbeddingStore, ShardedTable]:
+        # Always a fresh working shard: on resume it is rebuilt from the checkpoint's chain.
+        shard_dir = Path(self.cfg.storage.shard_dir or self.run_dir / "shards")
+        shard_dir.mkdir(parents=True, exist_ok=True)
+        owner = default_bucket_owner(self.comm.size)
+        store = EmbeddingStore(self.cfg.storage, shard_path(shard_dir, self.comm.rank), rank=self.comm.rank,
+                               world_size=self.comm.size, bucket_owner=owner, create=True)
+        return store, ShardedTable(self.comm, store, owner, self.device)
+
+    def _build_reducer(self) -> KStepMerger | SyncGradients:
+        params = list(self.model.parameters())
+        hier = self.cfg.topology.hierarchical_allreduce
+        if self.cfg.merge.mode is MergeMode.SYNC:
+            return SyncGradients(self.comm, self.cfg.merge, params, hier)
+        return KStepMerger(self.comm, self.cfg.merge, params, hier)
+
+    def _schedule(self) -> Schedule:
+        k = 1 if self.cfg.merge.mode is MergeMode.SYNC else self.cfg.merge.every_k_steps
+        return Schedule(batches_per_epoch=self.data.batches_per_epoch, epochs=self.cfg.train.epochs,
+                        every_k_steps=k, max_working_set_rows=self.cfg.storage.max_working_set_rows,
+                        max_steps=self.cfg.train.max_steps)
+
+    # --- signals: a request is raised locally, agreed at the next merge --------------------
+
+    def install_signal_handlers(self) -> None:
+        def on_stop(signum: int, _frame: Any) -> None:
+            self._flags[STOP] = 1
+            self._flags[CHECKPOINT] = 1
+            log.warning(f"rank {self.comm.rank}: got {signal.Signals(signum).name}: checkpoint and stop "
+                        f"at the next window boundary")
+
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, on_stop)
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        schedule = self._schedule()
+        total = schedule.total_steps()
+        source = WindowSource(self.data.reader_for_epoch, schedule, self.comm, self.table.warm,
+                              (self.state.epoch, self.state.batch, self.state.window),
+                              self.cfg.data.prefetch, self.cfg.train.queue_timeout_s)
+        log.info(f"training: {total} steps per rank, {schedule.batches_per_epoch} batches per epoch "
+                 f"({self.data.dropped_batches} remainder batches dropped on this rank), "
+                 f"merge {self.cfg.merge.mode.value} k={schedule.every_k_steps}")
+        every = self.cfg.checkpoint.every_windows
+        try:
+            while (window := source.next()) is not None:
+                flags = self._train_window(window)
+                self._advance(window, schedule)
+                if flags[CHECKPOINT] or (every and self.state.window % every == 0):
+                    self.save_checkpoint()
+                if flags[STOP]:
+                    self.preempted = True
+                    log.warning(f"stop requested: stopped after window {window.index}, step {self.state.step}")
+                    break
+                self.meter.maybe_log(self.state.step, total, self._progress_extra())
+        finally:
+            source.close()
+        self.meter.seconds["io"] += source.read_seconds if not self.cfg.data.prefetch else 0.0
+        if not self.preempted:
+            self.save_checkpoint()
+        return self.summary(prefetch_read_s=source.read_seconds)
+
+    def _advance(self, window: Window, schedule: Schedule) -> None:
+        s = self.state
+        s.window = window.index + 1
+        s.step += window.num_batches
+        s.samples += window.num_batches * self.cfg.data.batch_size_per_rank * self.comm.size
+        s.batch = window.first_batch + window.num_batches
+        s.epoch = window.epoch
+        if s.batch >= schedule.batches_per_epoch:
+            s.epoch, s.batch = s.epoch + 1, 0
+
+    def _train_window(self, w: Window) -> list[int]:
+        with self.meter.phase("pull"):
+            rows = self.table.pull(w.unique_keys, name=f"window{w.index}.pull")
+        self._ws_rows = int(rows.shape[0])
+        if self.cfg.merge.mode is MergeMode.SYNC:
+            return self._sync_step(w, rows)
+        with self.meter.phase("compute"):
+            for i in range(w.num_batches):
+                self._local_step(w, i, rows)
+        with self.meter.phase("merge"):
+            t0 = time.perf_counter()
+            moments = self._moments()
+            flags = self.reducer.merge(moments, self._flags, name=f"window{w.index}.merge")
+            self.table.push(w.unique_keys, rows, name=f"window{w.index}.push")
+            self._merge_ms = 1e3 * (time.perf_counter() - t0)
+        return flags
+
+    def _moments(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        m_v = get_adam_states(self.optimizer, ("exp_avg", "exp_avg_sq"))
+        return m_v[0::2], m_v[1::2]
+
+    def _forward_backward(self, w: Window, i: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.from_numpy(w.positions[i]).to(self.device)
+        gathered = gather_rows(rows, pos, self.dim)  # [B, F, D+1], a leaf that requires grad
+        dense = torch.from_numpy(w.dense[i]).to(self.device)
+        labels = torch.from_numpy(w.labels[i]).to(self.device)
+        logits = self.model(dense, gathered[..., : self.dim], gathered[..., self.dim])
+        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.meter.add_loss(float(loss))
+        return pos, gathered.grad
+
+    def _local_step(self, w: Window, i: int, rows: torch.Tensor) -> None:
+        t = self.cfg.train
+        pos, grad = self._forward_backward(w, i, rows)
+        idx, g = sum_rows_grad(pos, grad)
+        sparse_adam_step(rows, idx, g, t.sparse_lr, t.beta1, t.beta2, t.eps)
+        self.optimizer.step()
+
+    def _sync_step(self, w: Window, rows: torch.Tensor) -> list[int]:
+        t = self.cfg.train
+        with self.meter.phase("compute"):
+            pos, grad = self._forward_backward(w, 0, rows)
+            idx, g = sum_rows_grad(pos, grad)
+        with self.meter.phase("merge"):
+            t0 = time.perf_counter()
+            flags = self.reducer.average(self._flags, name=f"window{w.index}.grads")
+            apply = functools.partial(apply_adam_to_rows, lr=t.sparse_lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps)
+            self.table.push_gradients(w.unique_keys[idx.cpu().numpy()], g, apply, name=f"window{w.index}.sgrads")
+            self._merge_ms = 1e3 * (time.perf_counter() - t0)
+        with self.meter.phase("compute"):
+            self.optimizer.step()
+        return flags
+
+    # --- evaluation ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, split: str = "valid") -> dict[str, float]:
+        """AUC, logloss, COPC over every row of ``split``, from histograms summed over ranks."""
+        self.model.eval()
+        reader = self.data.eval_reader(split)
+        # comm: allreduce (Max) of the number of eval batches; ranks out of data send empty pulls
+        (n,) = self.comm.allreduce_max_int([reader.num_batches], name=f"eval.{split}.batches")
+        acc = EvalAccumulator(self.cfg.metrics.auc_buckets)
+        for b in range(n):
+            labels, dense, keys = reader.batch(b) if b < reader.num_batches else reader.empty()
+            uniq, inv = np.unique(keys.reshape(-1), return_inverse=True)
+            rows = self.table.read_only(uniq, name=f"eval.{split}.{b}")
+            if labels.shape[0] == 0:
+                continue
+            g = rows[torch.from_numpy(inv.reshape(keys.shape)).to(self.device)]
+            logits = self.model(torch.from_numpy(dense).to(self.device), g[..., : self.dim], g[..., self.dim])
+            acc.add_logits(logits, torch.from_numpy(labels))
+        # comm: one grouped allreduce (Sum) of the evaluation histograms and sums
+        summed = self.comm.allreduce_sum(acc.tensors(), name=f"eval.{split}.hist")
+        self.model.train()
+        return EvalAccumulator.from_tensors(summed).result()
+
+    # --- checkpoints ---------------------------------------------------------------------
+
+    def _dense_state(self) -> dict[str, torch.Tensor]:
+        out = {f"param.{i:03d}": p for i, p in enumerate(self.model.parameters())}
+        m, v = self._moments()
+        out.update({f"exp_avg.{i:03d}": t for i, t in enumerate(m)})
+        out.update({f"exp_avg_sq.{i:03d}": t for i, t in enumerate(v)})
+        steps = {int(s["step"]) for s in self.optimizer.state.values()}
+        out["adam_step"] = torch.tensor([steps.pop() if steps else 0], dtype=torch.int64)
+        return out
+
+    def save_checkpoint(self) -> None:
+        with self.meter.phase("io"):
+            path = self.ckpt.save(self.store, self._dense_state(), self.state,
+                                  extra={"mode": self.cfg.merge.mode.value})
+        log.info(f"checkpoint {path.name} written at step {self.state.step}")
+
+    def _resume(self) -> None:
+        manifest = self.ckpt.find_latest()
+        if manifest is None:
+            log.info("resume: no complete checkpoint found; starting fresh")
+            return
+        with self.meter.phase("io"):
+            dense = self.ckpt.load(manifest, self.store)
+        params = list(self.model.parameters())
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.copy_(torch.from_numpy(dense[f"param.{i:03d}"]))
+        n = len(params)
+        states = [torch.from_numpy(dense[f"{name}.{i:03d}"]) for i in range(n) for name in ("exp_avg", "exp_avg_sq")]
+        set_adam_states(self.optimizer, states, ("exp_avg", "exp_avg_sq"))
+        for s in self.optimizer.state.values():
+            s["step"] = torch.tensor(float(dense["adam_step"][0]), dtype=torch.float32)
+        self.state = TrainState(**manifest["state"])
+        log.info(f"resumed from checkpoint {manifest['seq']} at step {self.state.step} "
+                 f"(epoch {self.state.epoch}, batch {self.state.batch})")
+
+    # --- reporting -----------------------------------------------------------------------
+
+    def _progress_extra(self) -> dict[str, Any]:
+        st = self.store.stats()
+        return {"cache_hit_rate": round(st["cache_hit_rate"], 4), "working_set_rows": getattr(self, "_ws_rows", 0),
+                "merge_ms": round(getattr(self, "_merge_ms", 0.0), 2)}
+
+    def summary(self, prefetch_read_s: float = 0.0) -> dict[str, Any]:
+        elapsed = self.meter.elapsed()
+        ts = self.table.stats()
+        sparse_bytes = sum(v for k, v in ts.items() if k.endswith("bytes_sent") and not k.startswith("read_only"))
+        samples = max(self.state.samples, 1)
+        return {
+            "steps": self.state.step, "samples": self.state.samples, "seconds": round(elapsed, 3),
+            "samples_per_s": round(self.state.samples / max(elapsed, 1e-9), 1),
+            "time_split_s": {k: round(v, 3) for k, v in self.meter.seconds.items()},
+            "prefetch_read_s": round(prefetch_read_s, 3),
+            "dense_merge_bytes": self.reducer.bytes_sent, "dense_merge_calls": self.reducer.calls,
+            "dense_bytes_per_sample": self.reducer.bytes_sent * self.comm.size / samples,
+            "sparse_exchange_bytes": int(sparse_bytes),
+            "sparse_bytes_per_sample": sparse_bytes * self.comm.size / samples,
+            "store": {k: v for k, v in self.store.stats().items() if isinstance(v, (int, float))},
+            "preempted": self.preempted,
+        }
+
+    def close(self) -> None:
+        self.meter.close()
+        self.store.close()

@@ -1,0 +1,54 @@
+"""KStepMerger and SyncGradients against closed forms, at 2 and 3 ranks."""
+
+import torch
+
+from hvctr.config import Compression, MergeConfig, MergeStates
+from hvctr.train.merger import KStepMerger, SyncGradients
+
+
+def _tensors(rank):
+    p = [torch.full((3, 2), float(rank)), torch.arange(4, dtype=torch.float32) + rank]
+    m = [torch.full((3, 2), 10.0 * rank), torch.full((4,), 1.0 + rank)]
+    v = [torch.full((3, 2), 1e-10 * (rank + 1)), torch.full((4,), 2e-9 * (rank + 1))]
+    return p, m, v
+
+
+def test_params_only_leaves_moments(comm):
+    p, m, v = _tensors(comm.rank)
+    merger = KStepMerger(comm, MergeConfig(states=MergeStates.PARAMS), p)
+    flags = merger.merge((m, v), [1 if comm.rank == 0 else 0, 0], name="t.merge.p")
+    mean = (comm.size - 1) / 2
+    assert torch.allclose(p[0], torch.full((3, 2), mean))
+    assert torch.allclose(p[1], torch.arange(4, dtype=torch.float32) + mean)
+    assert torch.equal(m[0], torch.full((3, 2), 10.0 * comm.rank))  # untouched
+    assert flags == [1, 0]  # rank 0's stop request reaches everyone
+
+
+def test_params_m_v_average_everything(comm):
+    p, m, v = _tensors(comm.rank)
+    merger = KStepMerger(comm, MergeConfig(states=MergeStates.PARAMS_M_V), p)
+    merger.merge((m, v), [0, 0], name="t.merge.pmv")
+    n = comm.size
+    assert torch.allclose(m[0], torch.full((3, 2), 10.0 * (n - 1) / 2))
+    assert torch.allclose(v[0], torch.full((3, 2), 1e-10 * (n + 1) / 2), rtol=1e-6, atol=0)
+    assert merger.bytes_sent == 4 * (6 + 4) * 3 + 4 * 2
+
+
+def test_fp16_never_touches_v(comm):
+    p, m, v = _tensors(comm.rank)
+    merger = KStepMerger(comm, MergeConfig(states=MergeStates.PARAMS_M_V, compression=Compression.FP16), p)
+    merger.merge((m, v), [0, 0], name="t.merge.fp16")
+    n = comm.size
+    # v ~ 1e-10 is far below fp16's range: in float32 it survives, in fp16 it would be 0
+    assert torch.allclose(v[1], torch.full((4,), 2e-9 * (n + 1) / 2), rtol=1e-6, atol=0)
+    assert v[1].dtype == torch.float32 and p[0].dtype == torch.float32
+    assert merger.bytes_sent == 2 * (6 + 4) * 2 + 4 * (6 + 4) + 4 * 2
+
+
+def test_sync_gradients_average(comm):
+    w = torch.nn.Parameter(torch.zeros(5))
+    w.grad = torch.full((5,), float(comm.rank + 1))
+    sync = SyncGradients(comm, MergeConfig(), [w])
+    flags = sync.average([0, comm.rank], name="t.sync")
+    assert torch.allclose(w.grad, torch.full((5,), (comm.size + 1) / 2))
+    assert flags == [0, sum(range(comm.size))]
