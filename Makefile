@@ -27,12 +27,19 @@ test-unit:
 test-mpi:
 	$(MPIRUN) -np 2 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi
 	$(MPIRUN) -np 3 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi
+	# The hierarchical dense merge: 4 ranks in 2 virtual nodes against the flat allreduce.
+	$(MPIRUN) -np 4 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi/test_hierarchical.py
 
 test-e2e:
 	$(PYTEST) tests/e2e
 
+# The main job on built-in synthetic data: generate, preprocess, train 2 ranks (k = 4), evaluate.
 demo: setup
-	@bash slurm/demo.sh $(DEMO_DIR)
+	$(PY) -m data_prep synth --rows 600000 --seed 7 --out $(DEMO_DIR)/raw/synth.tsv --truth-out $(DEMO_DIR)/raw/truth.txt
+	$(PY) -m data_prep criteo --input $(DEMO_DIR)/raw/synth.tsv --out $(DEMO_DIR)/data --shards 4 --valid-fraction 0.1
+	$(MPIRUN) -np 2 $(PY) -m mpi4py -m hvctr train --config slurm/configs/demo.toml \
+	    --data.train_dir=$(DEMO_DIR)/data --train.run_dir=$(DEMO_DIR)/run
+	$(MPIRUN) -np 2 $(PY) -m mpi4py -m hvctr eval --run-dir $(DEMO_DIR)/run
 
 clean:
 	rm -rf runs build *.egg-info
