@@ -23,11 +23,11 @@ test: setup
 test-unit:
 	$(PYTEST) tests/unit
 
-# The MPI tier runs twice: 2 ranks, and 3 so that uneven remainders show.
+# The MPI tier runs twice: 2 ranks, and 3 so that uneven remainders show. Then, with 4 ranks in
+# 2 virtual nodes, the hierarchical dense merge against the flat allreduce.
 test-mpi:
 	$(MPIRUN) -np 2 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi
 	$(MPIRUN) -np 3 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi
-	# The hierarchical dense merge: 4 ranks in 2 virtual nodes against the flat allreduce.
 	$(MPIRUN) -np 4 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi/test_hierarchical.py
 
 test-e2e:

@@ -284,8 +284,6 @@ def apply_placement(topology_cfg: TopologyConfig, local_rank: int, local_size: i
         _start = (tuple(sorted(os.sched_getaffinity(0))), torch.get_num_threads())
     allowed, start_threads = _start
     notes = outer_binding_warnings(os.environ)
-    if _applied is not None:
-        notes.append("placement applied again with other arguments: memory already touched keeps its node")
     if torch.cuda.is_initialized():
         notes.append("CUDA was initialised before placement: its threads and pinned buffers may sit elsewhere")
     if _rss_bytes() > _RSS_WARN_BYTES:
@@ -294,6 +292,8 @@ def apply_placement(topology_cfg: TopologyConfig, local_rank: int, local_size: i
     plan = plan_rank(hwmap, local_rank, local_size, allowed, topology_cfg.oversubscribe) if hwmap else None
     notes += plan.notes if plan else ()
     bind = plan is not None and topology_cfg.bind
+    if bind and _applied is not None:
+        notes.append("placement applied again with other arguments: memory already touched keeps its node")
     threads = topology_cfg.threads_per_rank or (len(plan.cpus) if plan else 0)
     if bind:
         set_process_affinity(plan.cpus)
