@@ -1,0 +1,157 @@
+"""The HDF5 shard: round trips, reopening from a new process, h5py-only reading, full shard."""
+
+import os
+import subprocess
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+
+from hvctr.keys import EMPTY_KEY, default_bucket_owner, mix64
+from hvctr.storage.row import RowLayout
+from hvctr.storage.shard import BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullError
+from tests.conftest import VENV_PY, REPO
+
+
+def _create(path, capacity=1000, dim=4, load=0.8, world_size=2, rank=1):
+    return Shard.create(path, dim=dim, capacity=capacity, world_size=world_size, rank=rank,
+                        bucket_owner=default_bucket_owner(world_size), seed=11, init_scale=0.01,
+                        max_load_factor=load)
+
+
+def _keys(n, seed=0):
+    return np.unique(np.random.default_rng(seed).integers(0, 2**64 - 2, size=n, dtype=np.uint64))
+
+
+def test_insert_lookup_write_read_round_trip(tmp_path):
+    path = tmp_path / "s.h5"
+    shard = _create(path)
+    keys = _keys(700)
+    pos = shard.insert(keys)
+    assert sorted(pos.tolist()) == list(range(keys.size)) and shard.n_rows == keys.size
+    rows = np.random.default_rng(1).standard_normal((keys.size, RowLayout(4).width)).astype(np.float32)
+    perm = np.random.default_rng(2).permutation(keys.size)
+    shard.write_rows(pos[perm], keys[perm], rows[perm])  # unsorted positions
+    np.testing.assert_array_equal(shard.lookup(keys[::-1]), pos[::-1])
+    assert np.all(shard.lookup(_keys(50, seed=9)) == -1)
+    np.testing.assert_array_equal(shard.read_rows(pos[perm]), rows[perm])
+    meta = shard.read_meta(0, 10_000)
+    np.testing.assert_array_equal(meta["key"][pos], keys)
+    shard.close()
+    assert not os.path.exists(str(path) + ".tmp")
+
+
+def test_probing_crosses_index_blocks_at_high_load(tmp_path):
+    # 95% load in one small index: long probe runs wrap across 4 KiB blocks and the table end.
+    shard = _create(tmp_path / "s.h5", capacity=2 * SLOTS_PER_BLOCK, load=0.95)
+    keys = _keys(2 * SLOTS_PER_BLOCK)
+    pos = np.concatenate([shard.insert(keys[i:i + 100]) for i in range(0, keys.size, 100)])
+    assert shard.num_slots == 3 * SLOTS_PER_BLOCK
+    np.testing.assert_array_equal(shard.lookup(keys), pos)
+    shard.close()
+
+
+def test_layout_attributes_allocation_and_state(tmp_path):
+    path = tmp_path / "s.h5"
+    shard = _create(path, capacity=5000, dim=8)
+    shard.insert(_keys(10))
+    shard.pass_index = 3
+    shard.close()
+    with h5py.File(path, "r") as f:
+        a = f.attrs
+        assert (a["format_version"], a["dim"], a["width"], a["capacity"]) == (1, 8, 28, 5000)
+        assert (a["world_size"], a["rank"], a["init_seed"]) == (2, 1, 11) and "slot_seed" in a
+        for name in ("index", "rows", "row_meta", "state", "bucket_owner"):
+            d = f[name]
+            assert d.chunks is None and d.compression is None  # contiguous, uncompressed
+        for name in ("index", "rows", "row_meta"):
+            assert f[name].id.get_offset() % BLOCK_BYTES == 0
+        state = f["state"][0]
+        assert (state["n_rows"], state["pass_index"], state["clean"]) == (10, 3, 1)
+        np.testing.assert_array_equal(f["bucket_owner"][...], default_bucket_owner(2))
+    st = os.stat(path)
+    assert st.st_blocks * 512 >= st.st_size  # posix_fallocate reserved every block
+
+
+def test_full_shard_names_the_option(tmp_path):
+    shard = _create(tmp_path / "s.h5", capacity=100)
+    shard.insert(_keys(90))
+    with pytest.raises(ShardFullError, match="storage.rows_per_rank") as e:
+        shard.insert(_keys(20, seed=5))
+    assert isinstance(e.value, ValueError) and str(tmp_path / "s.h5") in str(e.value)
+    assert shard.n_rows == 90  # nothing half-inserted
+    shard.close()
+
+
+def test_reopened_by_a_new_process_and_read_by_h5py_alone(tmp_path):
+    path = tmp_path / "s.h5"
+    shard = _create(path, capacity=3000, dim=4)
+    keys = _keys(2000)
+    pos = shard.insert(keys)
+    rows = np.random.default_rng(3).standard_normal((keys.size, 16)).astype(np.float32)
+    shard.write_rows(pos, keys, rows)
+    shard.close()
+    np.save(tmp_path / "keys.npy", keys)
+    np.save(tmp_path / "rows.npy", rows)
+    child = textwrap.dedent(f"""
+        import numpy as np, h5py
+        from hvctr.storage.shard import Shard
+        keys, rows = np.load("{tmp_path}/keys.npy"), np.load("{tmp_path}/rows.npy")
+        s = Shard.open("{path}", writable=False)
+        assert s.was_clean and s.n_rows == keys.size
+        got = s.read_rows(s.lookup(keys))
+        assert np.array_equal(got, rows), "rows differ after reopening"
+        s.close()
+        # h5py alone, no hvctr code: the index maps keys to row numbers.
+        with h5py.File("{path}", "r") as f:
+            index = f["index"][...]
+            used = index[index["key"] != np.iinfo(np.uint64).max]
+            by_key = dict(zip(used["key"].tolist(), used["row"].tolist()))
+            rows_ds = f["rows"][...]
+            assert np.array_equal(rows_ds[[by_key[k] for k in keys.tolist()]], rows)
+            assert np.array_equal(f["row_meta"]["key"][:keys.size][[by_key[k] for k in keys.tolist()]], keys)
+        print("ok")
+    """)
+    out = subprocess.run([VENV_PY, "-c", child], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    h5dump = subprocess.run(["h5dump", "-H", str(path)], capture_output=True, text=True, timeout=60)
+    assert h5dump.returncode == 0, h5dump.stderr
+    assert 'DATASET "rows"' in h5dump.stdout and 'ATTRIBUTE "format_version"' in h5dump.stdout
+
+
+def test_slot_hash_is_independent_of_the_owner_hash(tmp_path):
+    # Keys of one owner (rank 1 of 2) must still spread over all index blocks.
+    shard = _create(tmp_path / "s.h5", capacity=20 * SLOTS_PER_BLOCK)
+    keys = _keys(20000)
+    owner_bits = (mix64(keys) >> np.uint64(52)) % np.uint64(2)
+    mine = keys[owner_bits == 1][:4000]
+    slots = shard._home(mine)
+    blocks = np.bincount(slots // SLOTS_PER_BLOCK, minlength=shard.num_slots // SLOTS_PER_BLOCK)
+    assert np.count_nonzero(blocks) == blocks.size  # every block gets keys
+    assert blocks.max() < 3 * blocks.mean()
+    shard.close()
+
+
+def test_an_open_writer_marks_the_file_unclean(tmp_path):
+    path = tmp_path / "s.h5"
+    writer = _create(path)
+    writer.insert(_keys(5))
+    writer.save_state()
+    reader = Shard.open(path, writable=False)  # what a crash of the writer leaves behind
+    assert not reader.was_clean and reader.n_rows == 5
+    reader.close()
+    writer.close()
+    reader = Shard.open(path, writable=False)
+    assert reader.was_clean and np.count_nonzero(reader._index_keys != EMPTY_KEY) == 5
+    reader.close()
+
+
+def test_rejects_missing_and_foreign_files(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        Shard.open(tmp_path / "nope.h5")
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = np.arange(3)
+    with pytest.raises(ValueError, match="format_version"):
+        Shard.open(tmp_path / "other.h5")
+

@@ -1,0 +1,195 @@
+"""EmbeddingStore against a plain in-RAM dense table: caching, eviction and write-back,
+admission, TTL compaction, checkpoint deltas and bulk loads. One rank (no MPI)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from hvctr.config import CachePolicy, StorageConfig
+from hvctr.storage import EmbeddingStore, RowLayout, init_rows
+from hvctr.storage.cache import ENTRY_OVERHEAD_BYTES
+
+DIM = 4
+LAYOUT = RowLayout(DIM)
+N_KEYS = 2000
+
+
+def _cfg(cache_rows, **kw):
+    kw.setdefault("rows_per_rank", N_KEYS)
+    return StorageConfig(dim=DIM, cpu_cache_bytes=cache_rows * (4 * LAYOUT.width + ENTRY_OVERHEAD_BYTES),
+                         seed=5, init_scale=0.1, **kw)
+
+
+def _universe(n=N_KEYS, seed=0):
+    return np.random.default_rng(seed).permutation(
+        np.unique(np.random.default_rng(seed).integers(0, 2**64 - 2, size=n, dtype=np.uint64)))
+
+
+def _batches(dist, steps, seed=1, size=150):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        if dist == "zipf":
+            idx = np.minimum(rng.zipf(1.1, size=size) - 1, N_KEYS - 1)
+        else:
+            idx = rng.integers(0, N_KEYS, size=size)
+        yield rng.permutation(np.unique(idx)), rng
+
+
+@pytest.mark.parametrize("dist", ["uniform", "zipf"])
+@pytest.mark.parametrize("cache_rows,policy", [(0, CachePolicy.LFU), (40, CachePolicy.LFU),
+                                               (40, CachePolicy.LRU), (N_KEYS, CachePolicy.LFU)])
+def test_reads_and_writes_match_dense_reference(tmp_path, dist, cache_rows, policy):
+    cfg = _cfg(cache_rows, cache_policy=policy)
+    uni = _universe()
+    ref = init_rows(uni, LAYOUT, cfg.init_scale, cfg.seed)
+    store = EmbeddingStore(cfg, tmp_path / "s.h5")
+    touched = []
+    for step, (idx, rng) in enumerate(_batches(dist, 60)):
+        touched.append(idx)
+        if step % 7 == 3:  # warming never changes what a read returns
+            store.warm(uni[np.unique(rng.integers(0, N_KEYS, 100))])
+        if step == 30:  # close and reopen: everything went to the shard
+            store.close()
+            store = EmbeddingStore(cfg, tmp_path / "s.h5", create=False)
+        rows = store.read(uni[idx])
+        np.testing.assert_array_equal(rows, ref[idx])
+        new = rows + rng.standard_normal(rows.shape).astype(np.float32)
+        store.write(uni[idx], new)
+        ref[idx] = new
+    stats = store.stats()
+    if 0 < cache_rows < N_KEYS:
+        assert stats["cache_evictions"] > 0 and stats["writeback_rows"] > 0 and stats["cache_hits"] > 0
+    if cache_rows == 0:
+        assert stats["writethrough_rows"] > 0
+    touched = np.unique(np.concatenate(touched))
+    keys, rows = map(np.concatenate, zip(*store.iter_rows(chunk_rows=300)))
+    where = {k: i for i, k in enumerate(uni.tolist())}
+    assert sorted(keys.tolist()) == sorted(uni[touched].tolist())
+    np.testing.assert_array_equal(rows, ref[[where[k] for k in keys.tolist()]])
+    np.testing.assert_array_equal(store.read_only(uni), ref)  # untouched keys: init rows
+    store.close()
+
+
+def test_admission_reads_default_row_until_admitted(tmp_path):
+    cfg = _cfg(20, admit_after=3, admit_sketch_slots=1 << 12)
+    store = EmbeddingStore(cfg, tmp_path / "s.h5")
+    keys = _universe()[:50]
+    init = init_rows(keys, LAYOUT, cfg.init_scale, cfg.seed)
+    for _ in range(2):  # seen once, twice: not stored, the shared zero row, writes dropped
+        assert not store.read(keys).any()
+        store.write(keys, np.ones((50, LAYOUT.width), np.float32))
+    assert store.shard.n_rows == 0 and store.stats()["dropped_writes"] == 100
+    assert not store.read_only(keys).any()  # evaluation reads what training read
+    np.testing.assert_array_equal(store.read(keys), init)  # third sight: admitted, init row
+    assert store.shard.n_rows == 50
+    store.write(keys, init + 1)
+    np.testing.assert_array_equal(store.read(keys), init + 1)
+    store.close()
+
+
+def test_ttl_compaction_drops_rows_unseen_for_ttl_passes(tmp_path):
+    cfg = _cfg(30, ttl_passes=2)
+    store = EmbeddingStore(cfg, tmp_path / "s.h5")
+    uni = _universe()
+    a, b, c = uni[:100], uni[100:200], uni[200:300]
+    rows = {}
+    for p, keys in enumerate([(a, b, c), (a, b), (a,)]):  # passes 0, 1, 2
+        for k in keys:
+            r = store.read(k) + p
+            store.write(k, r)
+            rows[k.tobytes()] = r
+        store.end_pass()
+    # Now in pass 3: c was last written in pass 0, b in 1, a in 2. Keep the last 2 passes.
+    assert store.compact() == 100
+    assert store.shard.n_rows == 200
+    keys, _ = map(np.concatenate, zip(*store.iter_rows()))
+    assert set(keys.tolist()) == set(a.tolist()) | set(b.tolist())
+    np.testing.assert_array_equal(store.read(a), rows[a.tobytes()])
+    np.testing.assert_array_equal(store.read(b), rows[b.tobytes()])
+    np.testing.assert_array_equal(store.read(c), init_rows(c, LAYOUT, cfg.init_scale, cfg.seed))  # new again
+    store.close()
+
+
+def test_checkpoint_delta_iteration_and_bulk_load(tmp_path):
+    cfg = _cfg(25)
+    uni = _universe()
+    store = EmbeddingStore(cfg, tmp_path / "s.h5")
+    base = uni[:300]
+    store.write(base, store.read(base) + 1)
+    k0, r0 = store.take_checkpoint_delta()
+    assert sorted(k0.tolist()) == sorted(base.tolist())
+    changed = np.concatenate([uni[50:80], uni[400:420]])  # old rows changed and new rows
+    store.write(changed, store.read(changed) * 2)
+    k1, r1 = store.take_checkpoint_delta()
+    assert sorted(k1.tolist()) == sorted(changed.tolist())
+    k2, _ = store.take_checkpoint_delta()
+    assert k2.size == 0  # nothing written since
+    # A fresh shard loaded with base then delta equals the store, row for row.
+    fresh = EmbeddingStore(cfg, tmp_path / "fresh.h5")
+    fresh.load_rows(k0, r0)
+    fresh.load_rows(k1, r1)
+    want_k, want_r = map(np.concatenate, zip(*store.iter_rows()))
+    np.testing.assert_array_equal(fresh.read(want_k), want_r)
+    assert fresh.take_checkpoint_delta()[0].size == 0  # loaded rows are already checkpointed
+    fresh.close()
+    store.close()
+
+
+def test_read_only_inserts_nothing(tmp_path):
+    cfg = _cfg(10)
+    store = EmbeddingStore(cfg, tmp_path / "s.h5")
+    uni = _universe()
+    store.write(uni[:20], store.read(uni[:20]) + 3)
+    before = store.stats()
+    got = store.read_only(uni[:100])
+    np.testing.assert_array_equal(got[20:], init_rows(uni[20:100], LAYOUT, cfg.init_scale, cfg.seed))
+    np.testing.assert_array_equal(got[:20], init_rows(uni[:20], LAYOUT, cfg.init_scale, cfg.seed) + 3)
+    after = store.stats()
+    assert store.shard.n_rows == 20
+    assert (after["cache_hits"], after["cache_misses"]) == (before["cache_hits"], before["cache_misses"])
+    store.close()
+
+
+def test_warm_in_a_thread_beside_writes(tmp_path):
+    cfg = _cfg(60)
+    uni = _universe()
+    store = EmbeddingStore(cfg, tmp_path / "s.h5")
+    ref = init_rows(uni, LAYOUT, cfg.init_scale, cfg.seed)
+    store.write(uni, ref)  # every key stored; most rows on the shard only
+    stop = threading.Event()
+
+    def prefetch():
+        rng = np.random.default_rng(9)
+        while not stop.is_set():
+            store.warm(uni[np.unique(rng.integers(0, N_KEYS, 300))])
+
+    th = threading.Thread(target=prefetch)
+    th.start()
+    try:
+        for idx, rng in _batches("zipf", 40, seed=4):
+            rows = store.read(uni[idx])
+            np.testing.assert_array_equal(rows, ref[idx])
+            ref[idx] = rows - 1
+            store.write(uni[idx], ref[idx])
+    finally:
+        stop.set()
+        th.join()
+    assert store.stats()["warmed_rows"] > 0
+    np.testing.assert_array_equal(store.read(uni), ref)
+    store.close()
+
+
+def test_user_errors(tmp_path):
+    cfg = _cfg(10, rows_per_rank=100)
+    store = EmbeddingStore(cfg, tmp_path / "s.h5")
+    uni = _universe()
+    with pytest.raises(ValueError, match="unique"):
+        store.read(np.array([5, 3, 5], dtype=np.uint64))
+    with pytest.raises(ValueError, match="storage.rows_per_rank"):
+        store.read(uni[:150])
+    store.close()
+    with pytest.raises(ValueError, match="dim"):
+        EmbeddingStore(StorageConfig(dim=8), tmp_path / "s.h5")
+    with pytest.raises(ValueError, match="does not exist"):
+        EmbeddingStore(cfg, tmp_path / "none.h5", create=False)
