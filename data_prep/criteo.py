@@ -1,0 +1,597 @@
+"""``python -m data_prep criteo``: Criteo TSV / DeepCTR CSV -> S HDF5 data shards + manifest.json.
+
+    mpirun -np 4 --bind-to none python -m mpi4py -m data_prep criteo \\
+        --input day_0.gz day_1.gz --out data/criteo --shards 64 --valid-fraction 0.05
+
+Two phases, both parallel over processes, the output independent of their number:
+1. parse: each process parses its units (sources.py) into pieces under OUT/_work (pieces.py);
+   every finished unit is reported to rank 0, which records it in manifest.json.
+2. assemble: once all line counts are known, shard s (train and valid) is written by process
+   s mod P from one slice of every piece; rank 0 records each finished shard with checksums.
+Resume: the same command after a kill redoes only what manifest.json does not record as done
+(the manifest, not the existence of a file, is the record). Everything is written under a
+temporary name and renamed when complete; the manifest is rewritten the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import h5py
+import numpy as np
+
+import data_prep
+from data_prep import schema
+from data_prep.mpi import Comm, get_comm
+from data_prep.parse import parse_block
+from data_prep.pieces import (KeySketch, PieceBuilder, ShardWriter, piece_path,
+                              piece_shard_counts)
+from data_prep.schema import NUM_CAT, NUM_DENSE, SPLITS
+from data_prep.sources import (Source, Unit, assign_units, count_lines, iter_blocks, line_start_at,
+                               make_units, nth_newline, open_sources)
+from hvctr.log import get_logger, setup_logging
+
+log = get_logger("data_prep")
+MANIFEST = "manifest.json"
+WORK = "_work"
+SPLIT_RULE = ("global line index g over all inputs in the order given (data lines only, rejected "
+              "lines included); shard = g mod S; validation = the last round(F * L) of the L lines")
+SHARD_BATCH = 32  # output files one process keeps open at once in phase 2
+REPORT_SECONDS = 1.0  # how often a worker reports progress to rank 0
+
+
+@dataclass(frozen=True)
+class Job:
+    inputs: tuple[str, ...]
+    out: str
+    shards: int
+    valid_fraction: float = 0.0
+    strict: bool = False
+    format: str = "auto"
+    chunk_bytes: int = 64 << 20
+    piece_lines: int = 1 << 19
+    progress_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise ValueError(f"--shards must be >= 1, got {self.shards}")
+        if not 0.0 <= self.valid_fraction < 1.0:
+            raise ValueError(f"--valid-fraction must be in [0, 1), got {self.valid_fraction}")
+        if self.chunk_bytes < 1 << 16:
+            raise ValueError(f"--chunk-mb must be at least 1/16, got {self.chunk_bytes / 2**20}")
+        if self.piece_lines < 1:
+            raise ValueError(f"piece_lines must be >= 1, got {self.piece_lines}")
+
+    @property
+    def work_dir(self) -> str:
+        return os.path.join(self.out, WORK)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help="Criteo TSV (plain or gzip) or CSV with a header row; in time order")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (shards + manifest.json)")
+    p.add_argument("--shards", type=int, required=True, metavar="S",
+                   help="data shards per split; training rank r reads the shards s with s %% W == r")
+    p.add_argument("--valid-fraction", type=float, default=0.0, metavar="F",
+                   help="the last F of all lines form the validation split (default 0)")
+    p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
+    p.add_argument("--format", choices=("auto", "tsv", "csv"), default="auto",
+                   help="input format (auto: tabs -> TSV, else CSV with a header)")
+    p.add_argument("--chunk-mb", type=float, default=64.0,
+                   help="a plain input is split into byte ranges of this size (the unit of work and of resume)")
+    p.add_argument("--progress-seconds", type=float, default=10.0, help="progress line interval on rank 0")
+
+
+def run(args: argparse.Namespace) -> int:
+    comm = get_comm()
+    setup_logging(rank=comm.rank, world_size=comm.size)
+    try:
+        job = Job(tuple(args.input), os.path.abspath(args.out), args.shards, args.valid_fraction,
+                  args.strict, args.format, int(args.chunk_mb * (1 << 20)),
+                  progress_seconds=args.progress_seconds)
+        return run_job(comm, job)
+    except _SharedError as e:  # every process knows; rank 0 says it
+        if comm.rank == 0:
+            print(f"data_prep criteo: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"data_prep criteo: error: {e}", file=sys.stderr)
+        if comm.size > 1:
+            comm.abort(2)
+        return 2
+
+
+class _SharedError(ValueError):
+    """An error every process has received from rank 0 (no abort needed)."""
+
+
+@dataclass
+class Plan:
+    sources: list[Source]
+    units: list[Unit]
+    pending: list[int]
+    session: int
+    complete: bool = False
+
+
+@dataclass
+class Assembly:
+    pieces: list[tuple[str, int, int, np.ndarray]]  # (path, global offset, lines, bad local indices)
+    cutoff: int
+    rows: dict[str, list[int]]  # split -> rows per shard
+    todo: list[int]  # shards without a complete record for both splits
+
+
+def run_job(comm: Comm, job: Job) -> int:
+    t0 = time.monotonic()
+    tracker = None
+    plan, err = None, None
+    if comm.rank == 0:
+        try:
+            tracker = Tracker(comm, job)
+            plan = tracker.plan()
+        except ValueError as e:
+            err = str(e)
+    plan, err = comm.bcast((plan, err))
+    if err:
+        raise _SharedError(err)
+    if plan.complete:
+        log.info(f"{job.out}: already complete (manifest.json); nothing to do")
+        return 0
+    mine = assign_units([plan.units[i] for i in plan.pending], comm.size)[comm.rank]
+    progress = Progress(comm, tracker)
+    for unit in mine:
+        rec = process_unit(plan.sources[unit.source], unit, job, plan.session, progress.tick)
+        comm.post(("unit", rec))
+    _end_phase(comm, tracker, progress)
+    asm, err = None, None
+    if comm.rank == 0:
+        try:
+            asm = tracker.assembly()
+        except ValueError as e:
+            err = str(e)
+    asm, err = comm.bcast((asm, err))
+    if err:
+        raise _SharedError(err)
+    progress.start_phase("assemble", sum(sum(asm.rows[s][i] for s in SPLITS) for i in asm.todo))
+    for batch in _batches([s for s in asm.todo if s % comm.size == comm.rank], SHARD_BATCH):
+        for rec in assemble_shards(job, asm, batch, progress.tick):
+            comm.post(("shard", rec))
+    _end_phase(comm, tracker, progress)
+    if comm.rank == 0:
+        tracker.finish(time.monotonic() - t0)
+    comm.barrier()
+    return 0
+
+
+def _end_phase(comm: Comm, tracker: "Tracker | None", progress: "Progress") -> None:
+    comm.post(("progress", comm.rank, progress.bytes, progress.rows))  # the final count, then done
+    comm.post(("done", comm.rank))
+    if tracker is not None:
+        tracker.wait_done()
+    comm.flush_posts()
+    comm.barrier()
+
+
+def _batches(items: list[int], n: int) -> list[list[int]]:
+    return [items[i:i + n] for i in range(0, len(items), n)]
+
+
+# ----------------------------------------------------------------------------------------
+# phase 1: a unit -> pieces
+
+
+def process_unit(src: Source, unit: Unit, job: Job, session: int, tick: Callable[[int, int], None]) -> dict:
+    pieces: list[dict] = []
+    cur = PieceBuilder(job.shards)
+    for data, nbytes in iter_blocks(src, unit):
+        rows = 0
+        while data:
+            room = job.piece_lines - cur.lines
+            if data.count(b"\n") > room:  # the piece fills up inside this block: cut there
+                cut = nth_newline(data, room) + 1
+                head, data = data[:cut], data[cut:]
+            else:
+                head, data = data, b""
+            blk = parse_block(head, src.fmt)
+            if blk.bad and job.strict:
+                line = job.piece_lines * len(pieces) + cur.lines + blk.bad[0][0]
+                raise ValueError(f"{src.path}:{_file_line(src, unit, line)}: {blk.bad[0][1]}")
+            rows += len(blk.labels)
+            cur.add(blk)
+            if cur.lines == job.piece_lines:
+                pieces.append(cur.write(piece_path(job.work_dir, unit.id, len(pieces))))
+                cur = PieceBuilder(job.shards)
+        tick(nbytes, rows)
+    if cur.lines:
+        pieces.append(cur.write(piece_path(job.work_dir, unit.id, len(pieces))))
+    return {"unit": unit.id, "source": unit.source, "begin": unit.begin, "end": unit.end,
+            "lines": sum(p["lines"] for p in pieces), "session": session, "pieces": pieces}
+
+
+def _file_line(src: Source, unit: Unit, line_in_unit: int) -> int:
+    """1-based line number in the file of a unit's line (counts the lines before the unit)."""
+    before = 0
+    if not src.gzip and unit.begin > 0:
+        with open(src.path, "rb") as f:
+            start = max(line_start_at(f, unit.begin, src.size), src.data_start)
+        before = count_lines(src.path, src.data_start, start)
+    return src.header_lines + before + line_in_unit + 1
+
+
+# ----------------------------------------------------------------------------------------
+# phase 2: pieces -> shards
+
+
+def assemble_shards(job: Job, asm: Assembly, batch: list[int], tick: Callable[[int, int], None]) -> list[dict]:
+    """Writes the train and valid files of the shards in ``batch``; returns their records."""
+    S = job.shards
+    writers = {(split, s): ShardWriter(os.path.join(job.out, schema.shard_name(split, s)),
+                                       asm.rows[split][s], split, s, S)
+               for s in batch for split in SPLITS}
+    try:
+        for path, offset, lines, bad in asm.pieces:
+            train, valid = piece_shard_counts(offset, lines, bad, S, asm.cutoff)
+            if not any(train[s] + valid[s] for s in batch):
+                continue
+            with h5py.File(path, "r") as f:
+                goff = f.attrs["goff"]
+                by_residue = (train + valid)[(offset + np.arange(S)) % S]
+                if not np.array_equal(np.diff(goff), by_residue):
+                    raise ValueError(f"{path}: piece does not match manifest.json; "
+                                     f"delete {job.work_dir} and run again")
+                n = 0
+                for s in batch:
+                    a = int(goff[(s - offset) % S])
+                    t, v = int(train[s]), int(valid[s])
+                    if t + v == 0:
+                        continue
+                    lab, den, key = f["labels"][a:a + t + v], f["dense"][a:a + t + v], f["keys"][a:a + t + v]
+                    writers["train", s].write(lab[:t], den[:t], key[:t])
+                    writers["valid", s].write(lab[t:], den[t:], key[t:])
+                    n += t + v
+            tick(0, n)
+        return [writers[split, s].close() for s in batch for split in SPLITS]
+    except BaseException:
+        for w in writers.values():
+            if w.file.id.valid:
+                w.abandon()
+        raise
+
+
+# ----------------------------------------------------------------------------------------
+# rank 0: the manifest and progress
+
+
+class Progress:
+    """Counts bytes and rows; workers report to rank 0 about once a second, rank 0 serves."""
+
+    def __init__(self, comm: Comm, tracker: "Tracker | None") -> None:
+        self.comm, self.tracker = comm, tracker
+        self.bytes = self.rows = 0
+        self.last = 0.0
+
+    def start_phase(self, name: str, total_rows: int) -> None:
+        self.bytes = self.rows = 0
+        if self.tracker is not None:
+            self.tracker.start_phase(name, total_rows)
+
+    def tick(self, nbytes: int, rows: int) -> None:
+        self.bytes += nbytes
+        self.rows += rows
+        now = time.monotonic()
+        if self.tracker is not None:
+            self.comm.post(("progress", 0, self.bytes, self.rows))
+            self.tracker.service()
+        elif now - self.last >= REPORT_SECONDS:
+            self.last = now
+            self.comm.post(("progress", self.comm.rank, self.bytes, self.rows))
+
+
+@dataclass
+class Tracker:
+    """Rank 0's state: the manifest in memory, flushed to disk as records arrive."""
+    comm: Comm
+    job: Job
+    manifest: dict = field(default_factory=dict)
+    phase: str = "parse"
+    total: float = 0.0  # bytes (parse) or rows (assemble) this session must do
+    done_ranks: int = 0
+    seen: dict = field(default_factory=dict)  # rank -> (bytes, rows)
+    t_phase: float = 0.0
+    t_flush: float = 0.0
+    t_log: float = 0.0
+    flush_cost: float = 0.0
+    dirty: bool = False
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.job.out, MANIFEST)
+
+    def plan(self) -> Plan:
+        job = self.job
+        sources = open_sources(list(job.inputs), job.format)
+        _prepare_out_dir(job.out)
+        units = make_units(sources, job.chunk_bytes)
+        ident = _identity(job, sources, len(units))
+        old = _load_manifest(self.path)
+        if old is not None and old.get("job") != ident:
+            raise ValueError(f"{job.out} holds the output of a different job ({_diff(old.get('job'), ident)}); "
+                             "use another --out or delete it")
+        if old is not None and old.get("state") == "complete":
+            self.manifest = old
+            return Plan(sources, units, [], 0, complete=True)
+        m = old if old is not None else _new_manifest(ident, sources, len(units), job.shards)
+        _forget_unfinished(m, job)
+        os.makedirs(job.work_dir, exist_ok=True)
+        for stale in glob.glob(os.path.join(job.out, "*.h5.tmp")) + glob.glob(os.path.join(job.work_dir, "*.tmp")):
+            os.remove(stale)
+        session = len(m["sessions"]) + 1
+        m["sessions"].append({"session": session, "processes": self.comm.size,
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        self.manifest = m
+        pending = [u.id for u in units if m["units"][u.id] is None]
+        done = len(units) - len(pending)
+        if old is not None:
+            log.info(f"resuming {job.out}: {done} of {len(units)} units recorded as parsed, "
+                     f"{sum(r is not None for r in m['shards']['train'])} of {job.shards} shards written")
+        self.start_phase("parse", sum(units[i].size for i in pending))
+        self.flush()
+        return Plan(sources, units, pending, session)
+
+    def start_phase(self, name: str, total: float) -> None:
+        self.phase, self.total, self.done_ranks, self.seen = name, total, 0, {}
+        self.t_phase = self.t_log = time.monotonic()
+        self.manifest["phase"] = name
+        self.dirty = True
+
+    def service(self) -> None:
+        for msg in self.comm.drain():
+            kind = msg[0]
+            if kind == "progress":
+                self.seen[msg[1]] = (msg[2], msg[3])
+            elif kind == "done":
+                self.done_ranks += 1
+            elif kind == "unit":
+                self.manifest["units"][msg[1]["unit"]] = msg[1]
+                self.dirty = True
+            elif kind == "shard":
+                self.manifest["shards"][msg[1]["split"]][msg[1]["shard"]] = msg[1]
+                self.dirty = True
+        now = time.monotonic()
+        # rewriting a big manifest often would cost more than the work it protects
+        if self.dirty and now - self.t_flush >= max(0.5, 50 * self.flush_cost):
+            self.flush()
+        if now - self.t_log >= self.job.progress_seconds:
+            self.t_log = now
+            log.info(self.progress_line(now))
+
+    def wait_done(self) -> None:
+        while True:
+            self.service()
+            if self.done_ranks >= self.comm.size:
+                break
+            time.sleep(0.01)
+        self.flush()
+        log.info(self.progress_line(time.monotonic()))
+
+    def progress_line(self, now: float) -> str:
+        nbytes = sum(b for b, _ in self.seen.values())
+        rows = sum(r for _, r in self.seen.values())
+        dt = max(now - self.t_phase, 1e-9)
+        done = nbytes if self.phase == "parse" else rows
+        frac = done / self.total if self.total else 1.0
+        eta = (self.total - done) / (done / dt) if done else float("nan")
+        what = (f"{_gb(nbytes)} of {_gb(self.total)} read" if self.phase == "parse"
+                else f"{rows / 1e6:.2f}M of {self.total / 1e6:.2f}M rows written")
+        return (f"{self.phase}: {rows / 1e6:.2f}M rows, {what} ({100 * frac:.0f}%), "
+                f"{rows / dt / 1e3:.0f}k rows/s, {nbytes / dt / 1e6:.0f} MB/s, ETA {_hms(eta)}")
+
+    def flush(self) -> None:
+        t = time.monotonic()
+        _write_json(self.path, self.manifest)
+        self.t_flush = time.monotonic()
+        self.flush_cost = self.t_flush - t
+        self.dirty = False
+
+    def assembly(self) -> Assembly:
+        return _assembly(self.manifest, self.job)
+
+    def finish(self, elapsed: float) -> None:
+        _finish(self.manifest, self.job, elapsed)
+        self.flush()
+        shutil.rmtree(self.job.work_dir, ignore_errors=True)
+        t = self.manifest["totals"]
+        log.info(f"done: {t['rows']} rows ({t['train']['rows']} train, {t['valid']['rows']} valid) "
+                 f"in {self.job.shards} shards per split, {t['bad_lines']} bad lines, "
+                 f"{elapsed:.1f} s ({t['rows'] / max(elapsed, 1e-9) / 1e3:.0f}k rows/s); {self.path}")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _hms(s: float) -> str:
+    if s != s:
+        return "?"
+    s = int(s)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _prepare_out_dir(out: str) -> None:
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write-test-{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{out}: output directory is not writable ({e.strerror})") from e
+
+
+def _identity(job: Job, sources: list[Source], num_units: int) -> dict:
+    return {"shards": job.shards, "valid_fraction": job.valid_fraction, "strict": job.strict,
+            "chunk_bytes": job.chunk_bytes, "piece_lines": job.piece_lines, "units": num_units,
+            "inputs": [{"path": s.path, "size": s.size} for s in sources]}
+
+
+def _diff(old: dict | None, new: dict) -> str:
+    if not isinstance(old, dict):
+        return "no job recorded"
+    keys = [k for k in new if old.get(k) != new[k]]
+    return ", ".join(f"{k}: {old.get(k)} -> {new[k]}" if k != "inputs" else "inputs or their sizes differ"
+                     for k in keys)
+
+
+def _load_manifest(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable manifest ({e}); delete the directory to start over") from e
+    if m.get("format") != schema.FORMAT:
+        raise ValueError(f"{path}: not a data_prep manifest")
+    return m
+
+
+def _new_manifest(ident: dict, sources: list[Source], num_units: int, shards: int) -> dict:
+    return {
+        "format": schema.FORMAT, "format_version": schema.FORMAT_VERSION, "state": "in_progress",
+        "created_by": f"data_prep {data_prep.__version__}", "job": ident, "schema": _schema(),
+        "sources": [{"path": s.path, "size": s.size, "format": s.fmt.kind, "gzip": s.gzip,
+                     "header": list(s.fmt.header) or None} for s in sources],
+        "sessions": [], "phase": "parse",
+        "units": [None] * num_units,
+        "shards": {split: [None] * shards for split in SPLITS},
+    }
+
+
+def _schema() -> dict:
+    return {
+        "columns": schema.COLUMN_NAMES,
+        "datasets": {"labels": {"dtype": "float32", "shape": ["N"]},
+                     "dense": {"dtype": "float32", "shape": ["N", NUM_DENSE],
+                               "columns": schema.DENSE_NAMES, "transform": "log1p(max(x, 0)); missing -> 0"},
+                     "keys": {"dtype": "uint64", "shape": ["N", NUM_CAT], "columns": schema.CAT_NAMES},
+                     "key_sketch": {"dtype": "uint8", "shape": [NUM_CAT, 1 << schema.SKETCH_BITS],
+                                    "what": "HyperLogLog registers per field"}},
+        "key_rule": ("hex value of 1..16 digits: mix64((f << 56) ^ int(v, 16)); other values: "
+                     "mix64(fnv1a64(b'%d\\x1f' % f + v)); missing: the empty value; f = 0 for C1; "
+                     "EMPTY_KEY remapped (hvctr.keys)"),
+        "split_rule": SPLIT_RULE,
+        "checksums": "sha256 of each dataset's contents, C order, little-endian",
+        "hdf5": {"libver": list(schema.HDF5_LIBVER), "track_times": False, "layout": "contiguous"},
+    }
+
+
+def _forget_unfinished(m: dict, job: Job) -> None:
+    """Keeps only records whose files are there (a record is only written after its file)."""
+    for i, rec in enumerate(m["units"]):
+        if rec and not all(os.path.exists(piece_path(job.work_dir, i, k)) for k in range(len(rec["pieces"]))):
+            m["units"][i] = None
+    for split in SPLITS:
+        for s, rec in enumerate(m["shards"][split]):
+            if rec and not os.path.exists(os.path.join(job.out, rec["file"])):
+                m["shards"][split][s] = None
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _assembly(m: dict, job: Job) -> Assembly:
+    """After phase 1: piece offsets, the split cutoff, the rows of every shard; bad lines named."""
+    assert all(m["units"]), "every unit is recorded after phase 1"
+    pieces, offset = [], 0
+    for u in m["units"]:
+        for k, p in enumerate(u["pieces"]):
+            bad = np.array([b[0] for b in p["bad"]], dtype=np.int64)
+            pieces.append((piece_path(job.work_dir, u["unit"], k), offset, p["lines"], bad))
+            offset += p["lines"]
+    total_lines = offset
+    cutoff = total_lines - int(job.valid_fraction * total_lines + 0.5)
+    rows = {split: np.zeros(job.shards, dtype=np.int64) for split in SPLITS}
+    for _, o, n, bad in pieces:
+        train, valid = piece_shard_counts(o, n, bad, job.shards, cutoff)
+        rows["train"] += train
+        rows["valid"] += valid
+    m["bad_lines"] = _bad_lines(m)
+    if rows["train"].sum() + rows["valid"].sum() == 0:
+        raise ValueError(f"no valid rows in the input: {len(m['bad_lines'])} lines, all rejected"
+                         + (f" (first: {_fmt_bad(m['bad_lines'][0])})" if m["bad_lines"] else ""))
+    _report_bad(m["bad_lines"])
+    m["split"] = {"rule": SPLIT_RULE, "valid_fraction": job.valid_fraction,
+                  "lines": total_lines, "cutoff_line": cutoff}
+    todo = [s for s in range(job.shards) if not all(m["shards"][sp][s] for sp in SPLITS)]
+    return Assembly(pieces, cutoff, {k: [int(x) for x in v] for k, v in rows.items()}, todo)
+
+
+def _bad_lines(m: dict) -> list[dict]:
+    """Every rejected line as file + 1-based line number, from the units' line counts."""
+    out, before = [], {}
+    for u in m["units"]:
+        src = m["sources"][u["source"]]
+        base = (1 if src["header"] else 0) + before.get(u["source"], 0)
+        k0 = 0
+        for p in u["pieces"]:
+            out += [{"file": src["path"], "line": base + k0 + i + 1, "reason": why} for i, why in p["bad"]]
+            k0 += p["lines"]
+        before[u["source"]] = before.get(u["source"], 0) + u["lines"]
+    return out
+
+
+def _fmt_bad(b: dict) -> str:
+    return f"{b['file']}:{b['line']}: {b['reason']}"
+
+
+def _report_bad(bad: list[dict], first: int = 10) -> None:
+    if not bad:
+        return
+    for b in bad[:first]:
+        log.warning(f"skipped {_fmt_bad(b)}")
+    log.warning(f"{len(bad)} bad lines skipped in all (every one is listed in {MANIFEST})")
+
+
+def _finish(m: dict, job: Job, elapsed: float) -> None:
+    """Totals, key counts, label rates; the manifest becomes 'complete'."""
+    sketch = KeySketch()
+    for split in SPLITS:
+        for rec in m["shards"][split]:
+            with h5py.File(os.path.join(job.out, rec["file"]), "r") as f:
+                sketch.merge(KeySketch(f["key_sketch"][...]))
+    missing = np.sum([p["missing"] for u in m["units"] for p in u["pieces"]] or [np.zeros(NUM_DENSE + NUM_CAT)], axis=0)
+    distinct = sketch.estimate()
+    split_tot = {}
+    for split in SPLITS:
+        rows = sum(r["rows"] for r in m["shards"][split])
+        pos = sum(r["positives"] for r in m["shards"][split])
+        split_tot[split] = {"rows": rows, "positives": pos, "label_rate": pos / rows if rows else None}
+    rows = split_tot["train"]["rows"] + split_tot["valid"]["rows"]
+    pos = split_tot["train"]["positives"] + split_tot["valid"]["positives"]
+    m["totals"] = {
+        "lines": m["split"]["lines"], "rows": rows, "bad_lines": len(m["bad_lines"]), "positives": pos,
+        "label_rate": pos / rows, **split_tot,
+        "missing": dict(zip(schema.DENSE_NAMES + schema.CAT_NAMES, (int(x) for x in missing))),
+        "distinct_keys_estimate": dict(zip(schema.CAT_NAMES, (int(round(x)) for x in distinct))),
+        "distinct_keys_estimate_total": int(round(distinct.sum())),
+        "keys": rows * NUM_CAT,
+    }
+    m["state"], m["phase"] = "complete", "complete"
+    s = m["sessions"][-1]
+    s["elapsed_s"] = round(elapsed, 3)

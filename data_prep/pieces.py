@@ -1,0 +1,176 @@
+"""Intermediate pieces and the output shards.
+
+Phase 1 (parse) does not know a row's global line index g: a unit does not know how many lines
+the units before it hold. It knows the row's line index l inside its piece (a piece: at most
+``piece_lines`` consecutive lines of one unit), and g = o + l, where the piece's offset o
+becomes known when every unit has reported its line count. So a piece stores its rows grouped
+by l mod S (stable, so in line order inside a group): the rows of group r all go to shard
+(o + r) mod S, which is the rule ``shard = g mod S``. Phase 2 (assemble) builds each output
+shard from one contiguous slice of every piece, in piece order, i.e. in global line order.
+
+Split: the last round(F * L) of all L data lines (g >= cutoff) are validation rows: a temporal
+hold-out, as Criteo's logs are in time order. Inside a group the training rows come first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import h5py
+import numpy as np
+
+from data_prep import schema
+from data_prep.parse import Block
+from data_prep.schema import NUM_CAT, NUM_DENSE, SKETCH_BITS
+
+
+def piece_path(work_dir: str, unit: int, k: int) -> str:
+    return os.path.join(work_dir, f"u{unit:07d}-p{k:04d}.h5")
+
+
+@dataclass
+class PieceBuilder:
+    """Rows of one piece as blocks arrive; ``write`` groups them by line mod S."""
+    shards: int
+    lines: int = 0
+    parts: list[Block] = field(default_factory=list)
+    bad: list[tuple[int, str]] = field(default_factory=list)
+
+    def add(self, blk: Block) -> None:
+        blk.lines += self.lines  # block-local -> piece-local line index
+        self.bad += [(self.lines + i, why) for i, why in blk.bad]
+        self.parts.append(blk)
+        self.lines += blk.num_lines
+
+    def write(self, path: str) -> dict:
+        labels = _cat([b.labels for b in self.parts], np.float32, (0,))
+        dense = _cat([b.dense for b in self.parts], np.float32, (0, NUM_DENSE))
+        keys = _cat([b.keys for b in self.parts], np.uint64, (0, NUM_CAT))
+        lines = _cat([b.lines for b in self.parts], np.int64, (0,))
+        group = lines % self.shards
+        order = np.argsort(group.astype(np.uint16 if self.shards <= 1 << 16 else np.int64), kind="stable")
+        goff = np.zeros(self.shards + 1, dtype=np.int64)
+        np.cumsum(np.bincount(group, minlength=self.shards), out=goff[1:])
+        tmp = path + ".tmp"
+        with h5py.File(tmp, "w", libver=schema.HDF5_LIBVER) as f:
+            f.create_dataset("labels", data=labels[order], track_times=False)
+            f.create_dataset("dense", data=dense[order], track_times=False)
+            f.create_dataset("keys", data=keys[order], track_times=False)
+            f.attrs["goff"] = goff
+        os.replace(tmp, path)
+        missing = np.sum([b.missing for b in self.parts], axis=0) if self.parts else np.zeros(NUM_DENSE + NUM_CAT)
+        return {"lines": self.lines, "rows": int(labels.size), "positives": int(labels.sum()),
+                "missing": [int(x) for x in missing], "bad": [[int(i), why] for i, why in self.bad]}
+
+
+def _cat(arrays: list[np.ndarray], dtype, empty_shape) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(empty_shape, dtype=dtype)
+
+
+def piece_shard_counts(offset: int, lines: int, bad: np.ndarray, shards: int, cutoff: int) -> tuple[np.ndarray, np.ndarray]:
+    """Training and validation rows that a piece gives to each shard (arrays of length S).
+
+    Lines l in [0, lines) have g = offset + l, shard g mod S; valid when g >= cutoff; the
+    piece-local indices in ``bad`` were rejected and count nowhere."""
+    c = int(np.clip(cutoff - offset, 0, lines))
+    train = _residue_counts(offset, 0, c, shards)
+    valid = _residue_counts(offset, c, lines, shards)
+    if bad.size:
+        s = (offset + bad) % shards
+        is_valid = bad >= c
+        train -= np.bincount(s[~is_valid], minlength=shards)
+        valid -= np.bincount(s[is_valid], minlength=shards)
+    return train, valid
+
+
+def _residue_counts(offset: int, lo: int, hi: int, shards: int) -> np.ndarray:
+    """For each s: how many l in [lo, hi) have (offset + l) mod S == s."""
+    s = np.arange(shards, dtype=np.int64)
+    first = lo + (s - (offset + lo)) % shards
+    return np.maximum(0, (hi - first + shards - 1) // shards)
+
+
+class KeySketch:
+    """HyperLogLog registers per field (2^SKETCH_BITS each); max-mergeable, order-free.
+
+    Keys are mix64 outputs (uniform bits), so the low bits pick the register and the rest
+    give the rank; no second hash is needed."""
+
+    def __init__(self, registers: np.ndarray | None = None) -> None:
+        m = 1 << SKETCH_BITS
+        self.registers = np.zeros((NUM_CAT, m), dtype=np.uint8) if registers is None else registers
+
+    def update(self, keys: np.ndarray) -> None:
+        m = 1 << SKETCH_BITS
+        low = (keys & np.uint64(m - 1)).astype(np.int64)
+        rest = keys >> np.uint64(SKETCH_BITS)
+        # rank = leading zeros of the 64-p remaining bits + 1; frexp is exact below 2^53
+        rank = (65 - SKETCH_BITS - np.frexp(rest.astype(np.float64))[1]).astype(np.uint8)
+        idx = low + np.arange(NUM_CAT, dtype=np.int64) * m
+        np.maximum.at(self.registers.reshape(-1), idx.reshape(-1), rank.reshape(-1))
+
+    def merge(self, other: "KeySketch") -> None:
+        np.maximum(self.registers, other.registers, out=self.registers)
+
+    def estimate(self) -> np.ndarray:
+        """Distinct keys per field (HyperLogLog with the small-range correction)."""
+        m = 1 << SKETCH_BITS
+        alpha = 0.7213 / (1 + 1.079 / m)
+        z = np.sum(np.exp2(-self.registers.astype(np.float64)), axis=1)
+        raw = alpha * m * m / z
+        zeros = np.count_nonzero(self.registers == 0, axis=1)
+        linear = m * np.log(m / np.maximum(zeros, 1))
+        return np.where((raw <= 2.5 * m) & (zeros > 0), linear, raw)
+
+
+class ShardWriter:
+    """One output shard of known size, written front to back; checksums as it goes."""
+
+    def __init__(self, path: str, rows: int, split: str, shard: int, shards: int) -> None:
+        self.path, self.rows, self.split, self.shard = path, rows, split, shard
+        self.tmp = path + ".tmp"
+        self.file = h5py.File(self.tmp, "w", libver=schema.HDF5_LIBVER)
+        f = self.file
+        self.dsets = {
+            "labels": f.create_dataset("labels", (rows,), np.float32, track_times=False),
+            "dense": f.create_dataset("dense", (rows, NUM_DENSE), np.float32, track_times=False),
+            "keys": f.create_dataset("keys", (rows, NUM_CAT), np.uint64, track_times=False),
+        }
+        f.attrs.update({"format": schema.FORMAT, "format_version": schema.FORMAT_VERSION,
+                        "split": split, "shard": shard, "num_shards": shards, "rows": rows})
+        self.hash = {name: hashlib.sha256() for name in schema.DATASETS}
+        self.sketch = KeySketch()
+        self.pos = 0
+        self.positives = 0
+
+    def write(self, labels: np.ndarray, dense: np.ndarray, keys: np.ndarray) -> None:
+        n = len(labels)
+        if n == 0:
+            return
+        end = self.pos + n
+        assert end <= self.rows, f"{self.path}: more rows than planned"
+        for name, arr in (("labels", labels), ("dense", dense), ("keys", keys)):
+            arr = np.ascontiguousarray(arr)
+            self.dsets[name][self.pos:end] = arr
+            self.hash[name].update(arr)
+        self.sketch.update(keys)
+        self.positives += int(labels.sum())
+        self.pos = end
+
+    def close(self) -> dict:
+        """Completes the file (renamed into place) and returns its manifest record."""
+        assert self.pos == self.rows, f"{self.path}: {self.pos} rows written of {self.rows}"
+        self.file.create_dataset("key_sketch", data=self.sketch.registers, track_times=False)
+        self.hash["key_sketch"].update(self.sketch.registers)
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        return {"split": self.split, "shard": self.shard, "file": os.path.basename(self.path),
+                "rows": self.rows, "positives": self.positives,
+                "checksums": {k: "sha256:" + h.hexdigest() for k, h in self.hash.items()}}
+
+    def abandon(self) -> None:
+        self.file.close()
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)

@@ -1,0 +1,362 @@
+"""``python -m data_prep synth``: Criteo-format TSV from a known model, with the true click probability.
+
+    python -m data_prep synth --rows 2000000 --seed 1 --out synth.tsv --truth-out synth.truth
+
+The hidden model (all of it a function of --seed):
+- 26 categorical fields with Criteo's cardinalities (at least 10 values: tens to ten million);
+  a field's value k in [0, V) is drawn with frequency ~ (k + q)^-a (Zipf-like, a in 1.05..1.4),
+  written as 8 hex digits (a 32-bit bijection of k, so two values never share a string);
+  Criteo's missing rates (0 to 76%).
+- 13 heavy-tailed integer fields: floor(exp(mu + s * z)) (lognormal counts, s up to 2.6),
+  Criteo's missing rates; I2 is sometimes -1..-3 as in the real logs.
+- logit = bias + scale * (sum of per-value effects of the 26 fields (missing has its own)
+  + dense effects beta_j * (log1p(x_j) - mu_j) / s_j (missing has its own)
+  + 10 pairwise categorical interactions <e_a(v_a), e_b(v_b)> / 2 with 4-dim value embeddings
+  + 2 products of dense fields).
+  Per-value effects and embeddings are hashed from (seed, field, value): no table, so memory
+  does not grow with the vocabularies. The scale and bias are set on a calibration sample so
+  that the Bayes-optimal AUC is --target-auc (0.80) and the positive rate --positive-rate (0.25).
+- label ~ Bernoulli(sigmoid(logit)); --truth-out gets sigmoid(logit) of every row, one per line.
+
+Streaming: rows are made in chunks of 2^16, each from its own seeded stream, so memory is
+bounded and the output is the same whatever the chunking of the writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from data_prep.schema import NUM_CAT, NUM_DENSE
+from hvctr.keys import mix64
+
+CHUNK_ROWS = 1 << 14  # small enough that the temporaries stay in cache: ~2x faster than 2^16
+CRITEO_VOCAB = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+                27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+CAT_MISSING = [0.0, 0.0, 0.03, 0.03, 0.0, 0.12, 0.0, 0.0, 0.0, 0.0, 0.0, 0.03, 0.0, 0.0, 0.0, 0.03,
+               0.0, 0.0, 0.44, 0.44, 0.03, 0.76, 0.0, 0.03, 0.44, 0.44]
+DENSE_MISSING = [0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.0005, 0.04, 0.45, 0.04, 0.76, 0.22]
+NUM_PAIRS, EMB_DIM, NUM_DENSE_PAIRS = 10, 4, 2
+_HEXCHARS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+MAX_INT = 10 ** 10 - 1
+_BUCKETS = 1 << 16
+_M32 = np.uint64(0xFFFFFFFF)
+_EMB_SHIFTS = np.arange(0, 64, 16, dtype=np.uint64)
+_LOGIT_RANGE = 16.0
+
+
+@dataclass(frozen=True)
+class Model:
+    seed: int
+    vocab: np.ndarray  # [26] values per field
+    zipf_a: np.ndarray  # [26]
+    zipf_q: np.ndarray  # [26]
+    cat_missing: np.ndarray  # [26]
+    cat_scale: np.ndarray  # [26] std of a field's value effects
+    salts: np.ndarray  # [26] uint64, per-field hash salts
+    dense_mu: np.ndarray  # [13]
+    dense_sigma: np.ndarray  # [13]
+    dense_missing: np.ndarray  # [13]
+    dense_beta: np.ndarray  # [13]
+    dense_missing_effect: np.ndarray  # [13]
+    pairs: np.ndarray  # [NUM_PAIRS, 2] categorical field pairs
+    pair_scale: np.ndarray  # [NUM_PAIRS]
+    dense_pairs: np.ndarray  # [NUM_DENSE_PAIRS, 2]
+    dense_pair_scale: np.ndarray
+    pair_fields: np.ndarray  # the fields that take part in a pair
+    pair_index: np.ndarray  # pairs as indices into pair_fields
+    scale: float = 1.0
+    bias: float = 0.0
+
+
+def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25) -> Model:
+    """The hidden model of a seed, scaled and shifted to the target AUC and positive rate."""
+    rng = np.random.default_rng([seed, 0])
+    m = Model(
+        seed=seed,
+        vocab=np.maximum(np.array(CRITEO_VOCAB, dtype=np.int64), 10),
+        zipf_a=rng.uniform(1.05, 1.4, NUM_CAT), zipf_q=rng.uniform(1.0, 20.0, NUM_CAT),
+        cat_missing=np.array(CAT_MISSING), cat_scale=np.exp(rng.uniform(np.log(0.2), np.log(1.0), NUM_CAT)),
+        salts=mix64(np.arange(NUM_CAT, dtype=np.uint64) + np.uint64(seed) * np.uint64(1000003)),
+        dense_mu=rng.uniform(0.0, 4.0, NUM_DENSE), dense_sigma=rng.uniform(0.8, 2.6, NUM_DENSE),
+        dense_missing=np.array(DENSE_MISSING), dense_beta=rng.normal(0.0, 0.35, NUM_DENSE),
+        dense_missing_effect=rng.normal(0.0, 0.3, NUM_DENSE),
+        pairs=np.array([rng.choice(NUM_CAT, 2, replace=False) for _ in range(NUM_PAIRS)]),
+        pair_scale=rng.uniform(0.3, 0.8, NUM_PAIRS),
+        dense_pairs=np.array([rng.choice(NUM_DENSE, 2, replace=False) for _ in range(NUM_DENSE_PAIRS)]),
+        dense_pair_scale=rng.normal(0.0, 0.25, NUM_DENSE_PAIRS),
+        pair_fields=np.zeros(0, dtype=np.int64), pair_index=np.zeros((0, 2), dtype=np.int64),
+    )
+    fields = np.unique(m.pairs)
+    m = Model(**{**m.__dict__, "pair_fields": fields, "pair_index": np.searchsorted(fields, m.pairs)})
+    z = np.concatenate([_draw(m, rng_for(seed, i, stream=2), CHUNK_ROWS)[-1] for i in range(2)])
+    scale, bias = _calibrate(z, target_auc, positive_rate)
+    return Model(**{**m.__dict__, "scale": scale, "bias": bias})
+
+
+def rng_for(seed: int, chunk: int, stream: int = 1) -> np.random.Generator:
+    return np.random.default_rng([seed, chunk, stream])
+
+
+def _effect_from_hash(h: np.ndarray) -> np.ndarray:
+    """A value effect of mean 0, variance 1 from one 64-bit hash: the sum of its two 32-bit
+    halves as uniforms (a triangular distribution), centred and scaled."""
+    s = ((h & _M32) + (h >> np.uint64(32))).astype(np.float64) * 2.0 ** -32 - 1.0
+    return s * np.sqrt(6.0)
+
+
+def _embeddings(h: np.ndarray) -> np.ndarray:
+    """[n, F, 4] value embeddings (uniform, variance 1 per component) from a second hash."""
+    e = mix64(h ^ np.uint64(0x5DEECE66D))
+    parts = (e[:, :, None] >> _EMB_SHIFTS) & np.uint64(0xFFFF)
+    return (parts.astype(np.float32) * np.float32(2.0 ** -16) - np.float32(0.5)) * np.float32(np.sqrt(12.0))
+
+
+def _draw(m: Model, rng: np.random.Generator, n: int):
+    """One chunk: value ids [n,26] (-1 missing), integers [n,13], their missing mask, and the
+    logit before scale and bias."""
+    # one uniform per value: below the missing rate it is missing, else rescaled and put
+    # through the continuous inverse CDF of (k + q)^-a on [0, V), floored
+    u = rng.random((n, NUM_CAT))
+    miss = u < m.cat_missing
+    u = (u - m.cat_missing) / (1.0 - m.cat_missing)
+    one = 1.0 - m.zipf_a
+    lo, hi = m.zipf_q ** one, (m.vocab + m.zipf_q) ** one
+    x = np.exp(np.log(lo + np.maximum(u, 0.0) * (hi - lo)) * (1.0 / one)) - m.zipf_q
+    ids = np.minimum(x.astype(np.int64), m.vocab - 1)
+    ids[miss] = -1
+    z = rng.standard_normal((n, NUM_DENSE))
+    ints = np.minimum(np.exp(m.dense_mu + m.dense_sigma * z), MAX_INT).astype(np.int64)
+    neg = np.flatnonzero(rng.random(n) < 0.03)
+    ints[neg, 1] = -rng.integers(1, 4, neg.size)
+    dmiss = rng.random((n, NUM_DENSE)) < m.dense_missing
+
+    h = mix64(ids.astype(np.uint64) ^ m.salts)  # missing (-1) hashes like any other value
+    logit = _effect_from_hash(h) @ m.cat_scale
+    zd = (np.log1p(np.maximum(ints, 0)) - m.dense_mu) / m.dense_sigma
+    zd[dmiss] = 0.0
+    logit += zd @ m.dense_beta + dmiss @ m.dense_missing_effect
+    emb = _embeddings(h[:, m.pair_fields])  # [n, F, 4]
+    a, b = m.pair_index[:, 0], m.pair_index[:, 1]
+    dots = np.einsum("npk,npk->np", emb[:, a], emb[:, b])
+    logit += dots @ (m.pair_scale / np.sqrt(EMB_DIM))
+    logit += (zd[:, m.dense_pairs[:, 0]] * zd[:, m.dense_pairs[:, 1]]) @ m.dense_pair_scale
+    return ids, ints, dmiss, logit
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def expected_auc(p: np.ndarray) -> float:
+    """AUC of the true probabilities when labels are drawn from them (exact, by sorting)."""
+    p = np.sort(p)
+    neg_below = np.cumsum(1.0 - p) - (1.0 - p)
+    return float(np.sum(p * neg_below) / (p.sum() * (1.0 - p).sum() - np.sum(p * (1.0 - p))))
+
+
+def _calibrate(z: np.ndarray, target_auc: float, rate: float) -> tuple[float, float]:
+    """Scale and bias with mean sigmoid = rate and expected AUC = target on the sample z."""
+    def bias_for(scale: float) -> float:
+        b = np.log(rate / (1 - rate))
+        for _ in range(30):  # Newton on mean(sigmoid(b + scale z)) = rate: monotone, smooth
+            p = _sigmoid(b + scale * z)
+            step = (p.mean() - rate) / max(np.mean(p * (1 - p)), 1e-12)
+            b -= step
+            if abs(step) < 1e-10:
+                break
+        return float(b)
+    lo, hi = 1e-3, 20.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        auc = expected_auc(_sigmoid(bias_for(mid) + mid * z))
+        lo, hi = (mid, hi) if auc < target_auc else (lo, mid)
+    scale = (lo + hi) / 2
+    return scale, bias_for(scale)
+
+
+def sample_chunk(m: Model, chunk: int, n: int):
+    """Rows of one chunk: labels (uint8), integers, their missing mask, hex values (uint32),
+    categorical missing mask, true probabilities."""
+    rng = rng_for(m.seed, chunk)
+    ids, ints, dmiss, z = _draw(m, rng, n)
+    p = _sigmoid(m.bias + m.scale * z)
+    labels = (rng.random(n) < p).astype(np.uint8)
+    return labels, ints, dmiss, _hex_values(ids, m.salts), ids < 0, p
+
+
+def _hex_values(ids: np.ndarray, salts: np.ndarray) -> np.ndarray:
+    """A per-field bijection of 32-bit ids (murmur3's finaliser after a salt): distinct values
+    stay distinct, and look like Criteo's hashed strings."""
+    x = (ids.astype(np.uint64) ^ salts).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x85EBCA6B)
+        x ^= x >> np.uint32(13)
+        x *= np.uint32(0xC2B2AE35)
+        x ^= x >> np.uint32(16)
+    return x
+
+
+def _lut4(digits: bytes, base: int) -> np.ndarray:
+    """uint32 words holding the 4 ASCII digits (in ``base``) of 0 .. base^4 - 1, zero-padded."""
+    v = np.arange(base ** 4)
+    chars = np.frombuffer(digits, dtype=np.uint8)
+    cols = [chars[(v // base ** k) % base] for k in (3, 2, 1, 0)]
+    return np.stack(cols, axis=1).astype(np.uint8).copy().view("<u4")[:, 0]
+
+
+_DEC4 = _lut4(b"0123456789", 10)  # 10^4 entries
+_HEX4 = _lut4(b"0123456789abcdef", 16)  # 2^16 entries
+# _KEEP12[d]: keep the last d of 12 digit positions (d = 0: a missing value)
+_KEEP12 = np.array([[c >= 12 - d for c in range(12)] for d in range(13)], dtype=bool)
+_POW10_ASC = 10 ** np.arange(1, 12, dtype=np.int64)
+
+
+def format_tsv(labels: np.ndarray, ints: np.ndarray, dmiss: np.ndarray, hexv: np.ndarray,
+               cmiss: np.ndarray) -> bytes:
+    """Criteo TSV lines, built as a byte matrix and a keep-mask from 4-character lookup tables
+    (no per-row Python): an integer is [sign, 12 digits, tab], a hex value [8 digits, tab]."""
+    n = len(labels)
+    a = np.abs(ints)
+    iw = np.empty((n, NUM_DENSE, 4), dtype="<u4")  # sign+pad word, 3 words of 4 digits
+    iw[:, :, 0] = 0x2D << 24  # '-' in the word's last byte, right before the digits
+    iw[:, :, 1] = _DEC4[a // 100_000_000]
+    iw[:, :, 2] = _DEC4[(a // 10_000) % 10_000]
+    iw[:, :, 3] = _DEC4[a % 10_000]
+    ib = iw.view(np.uint8).reshape(n, NUM_DENSE, 16)[:, :, 3:]  # sign at 3, digits at 4..15
+    ib = np.concatenate([ib, np.full((n, NUM_DENSE, 1), 9, dtype=np.uint8)], axis=2)  # [n, 13, 14]
+    ndig = np.searchsorted(_POW10_ASC, a, side="right") + 1
+    ndig[dmiss] = 0
+    ik = np.empty((n, NUM_DENSE, 14), dtype=bool)
+    ik[:, :, 0] = (ints < 0) & ~dmiss
+    ik[:, :, 1:13] = _KEEP12[ndig]
+    ik[:, :, 13] = True
+    cw = np.empty((n, NUM_CAT, 3), dtype="<u4")
+    cw[:, :, 0] = _HEX4[hexv >> np.uint32(16)]
+    cw[:, :, 1] = _HEX4[hexv & np.uint32(0xFFFF)]
+    cw[:, :, 2] = 9
+    cb = cw.view(np.uint8).reshape(n, NUM_CAT, 12)[:, :, :9].copy()
+    cb[:, -1, 8] = 10
+    ck = np.empty((n, NUM_CAT, 9), dtype=bool)
+    ck[:, :, :8] = ~cmiss[:, :, None]
+    ck[:, :, 8] = True
+    lab = np.empty((n, 2), dtype=np.uint8)
+    lab[:, 0] = labels + 48
+    lab[:, 1] = 9
+    mat = np.concatenate([lab, ib.reshape(n, -1), cb.reshape(n, -1)], axis=1)
+    keep = np.concatenate([np.ones((n, 2), dtype=bool), ik.reshape(n, -1), ck.reshape(n, -1)], axis=1)
+    return mat[keep].tobytes()
+
+
+def format_truth(p: np.ndarray) -> bytes:
+    """One probability per line as 0.ddddddddd (9 decimals)."""
+    v = np.clip(np.rint(p * 1e9), 0, 999_999_999).astype(np.int64)
+    w = np.empty((len(p), 3), dtype="<u4")
+    w[:, 0] = _DEC4[v // 100_000_000]  # "000d": the leading zeros become "0." below
+    w[:, 1] = _DEC4[(v // 10_000) % 10_000]
+    w[:, 2] = _DEC4[v % 10_000]
+    out = w.view(np.uint8).reshape(-1, 12).copy()
+    out[:, 0], out[:, 1], out[:, 2] = 48, 46, out[:, 3]  # "0." and the first decimal
+    out = np.concatenate([out[:, :3], out[:, 4:], np.full((len(p), 1), 10, dtype=np.uint8)], axis=1)
+    return out.tobytes()
+
+
+class Scores:
+    """Streaming AUC and logloss of the true probabilities: expected (labels drawn from p)
+    and realised (the labels written), from histograms over logit buckets."""
+
+    def __init__(self) -> None:
+        self.hist = np.zeros((4, _BUCKETS))  # expected pos, expected neg, realised pos, realised neg
+        self.ll = np.zeros(2)  # expected, realised
+        self.n = 0
+
+    def add(self, p: np.ndarray, labels: np.ndarray) -> None:
+        logit = np.log(p) - np.log1p(-p)
+        b = np.clip(((logit + _LOGIT_RANGE) / (2 * _LOGIT_RANGE) * _BUCKETS).astype(np.int64), 0, _BUCKETS - 1)
+        y = labels.astype(bool)
+        for i, w in enumerate((p, 1.0 - p, y.astype(np.float64), (~y).astype(np.float64))):
+            self.hist[i] += np.bincount(b, weights=w, minlength=_BUCKETS)
+        self.ll[0] -= np.sum(p * np.log(p) + (1 - p) * np.log1p(-p))
+        self.ll[1] -= np.sum(np.where(y, np.log(p), np.log1p(-p)))
+        self.n += len(p)
+
+    @staticmethod
+    def _auc(pos: np.ndarray, neg: np.ndarray) -> float:
+        below = np.cumsum(neg) - neg
+        return float(np.sum(pos * (below + 0.5 * neg)) / (pos.sum() * neg.sum()))
+
+    def result(self) -> dict:
+        return {"expected_auc": self._auc(self.hist[0], self.hist[1]),
+                "realised_auc": self._auc(self.hist[2], self.hist[3]),
+                "expected_logloss": float(self.ll[0] / self.n), "realised_logloss": float(self.ll[1] / self.n),
+                "expected_positive_rate": float(self.hist[0].sum() / self.n),
+                "realised_positive_rate": float(self.hist[2].sum() / self.n)}
+
+
+def generate(rows: int, seed: int, out: str, truth_out: str | None = None,
+             target_auc: float = 0.80, positive_rate: float = 0.25) -> dict:
+    """Writes the TSV (and the truth file); returns the model's and the file's scores."""
+    if rows < 1:
+        raise ValueError(f"--rows must be >= 1, got {rows}")
+    t0 = time.monotonic()
+    model = build_model(seed, target_auc, positive_rate)
+    scores = Scores()
+    outs = [(out, out + ".tmp")] + ([(truth_out, truth_out + ".tmp")] if truth_out else [])
+    try:
+        files = [open(tmp, "wb") for _, tmp in outs]
+    except OSError as e:
+        raise ValueError(f"cannot write {e.filename}: {e.strerror}") from e
+    with _closing(files):
+        for chunk, start in enumerate(range(0, rows, CHUNK_ROWS)):
+            labels, ints, dmiss, hexv, cmiss, p = sample_chunk(model, chunk, min(CHUNK_ROWS, rows - start))
+            files[0].write(format_tsv(labels, ints, dmiss, hexv, cmiss))
+            if truth_out:
+                files[1].write(format_truth(p))
+            scores.add(p, labels)
+    for final, tmp in outs:
+        os.replace(tmp, final)
+    return {"rows": rows, "seed": seed, "seconds": time.monotonic() - t0,
+            "model": {"scale": model.scale, "bias": model.bias, "target_auc": target_auc,
+                      "positive_rate": positive_rate}, **scores.result()}
+
+
+class _closing:
+    def __init__(self, files) -> None:
+        self.files = files
+
+    def __enter__(self):
+        return self.files
+
+    def __exit__(self, *exc) -> None:
+        for f in self.files:
+            f.close()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=int, required=True, metavar="N")
+    p.add_argument("--seed", type=int, default=1, metavar="S", help="model and sampling seed")
+    p.add_argument("--out", required=True, metavar="FILE.tsv")
+    p.add_argument("--truth-out", metavar="FILE", help="true click probability of each row, one per line")
+    p.add_argument("--target-auc", type=float, default=0.80, help="Bayes-optimal AUC the model is scaled to")
+    p.add_argument("--positive-rate", type=float, default=0.25)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        r = generate(args.rows, args.seed, args.out, args.truth_out, args.target_auc, args.positive_rate)
+    except ValueError as e:
+        print(f"data_prep synth: error: {e}", file=sys.stderr)
+        return 2
+    print(f"synth: {r['rows']} rows, seed {r['seed']} -> {args.out}"
+          + (f" (truth: {args.truth_out})" if args.truth_out else ""))
+    print(f"synth: positive rate expected {r['expected_positive_rate']:.4f}, realised {r['realised_positive_rate']:.4f}")
+    print(f"synth: Bayes-optimal AUC expected {r['expected_auc']:.4f}, realised {r['realised_auc']:.4f}")
+    print(f"synth: Bayes-optimal logloss expected {r['expected_logloss']:.4f}, realised {r['realised_logloss']:.4f}")
+    print(f"synth: {r['seconds']:.1f} s, {r['rows'] / r['seconds'] / 1e3:.0f}k rows/s")
+    return 0

@@ -1,0 +1,170 @@
+"""Training data: fixed-size batches from the HDF5 shards that ``python -m data_prep`` writes.
+
+A data directory holds ``manifest.json`` and, per split ("train", "valid"), S shard files
+``<split>-<s:05d>.h5`` with ``labels`` float32 [N], ``dense`` float32 [N, 13], ``keys`` uint64
+[N, 26]. Rank r of W reads the shards s with s % W == r, in shard order, as one stream of rows
+cut into batches of ``batch_size``; the last partial batch is not yielded.
+
+    >>> reader = ShardReader("data/criteo", "train", rank=0, world_size=2, batch_size=4096)
+    >>> steps = reader.num_batches                 # the trainer agrees on min over ranks
+    >>> for labels, dense, keys in reader.batches(start=0, stop=steps):
+    ...     labels.shape, dense.shape, keys.shape  # (4096,) (4096, 13) (4096, 26)
+
+Reads are large contiguous slices (``read_bytes`` at a time, across shard boundaries), never
+per row. ``start`` resumes at a batch index. ``verify=True`` checks every opened shard against
+the manifest's sha256 checksums first. Problems (no manifest, an unfinished data_prep run, a
+missing or corrupt shard, more ranks than shards) are a ValueError that names the path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Iterator, NamedTuple
+
+import h5py
+import numpy as np
+
+FORMAT = "hvctr-data"
+SUPPORTED_VERSIONS = (1,)
+SPLITS = ("train", "valid")
+NUM_DENSE = 13
+NUM_FIELDS = 26
+ROW_BYTES = 4 + 4 * NUM_DENSE + 8 * NUM_FIELDS
+
+
+class Batch(NamedTuple):
+    labels: np.ndarray  # float32 [B]
+    dense: np.ndarray  # float32 [B, 13]
+    keys: np.ndarray  # uint64 [B, 26]
+
+
+def load_manifest(data_dir: str) -> dict:
+    """The manifest of a complete data_prep output directory."""
+    path = os.path.join(data_dir, "manifest.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no data_prep manifest (is {data_dir} a data_prep output directory?)")
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable manifest: {e}") from e
+    if m.get("format") != FORMAT or m.get("format_version") not in SUPPORTED_VERSIONS:
+        raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}; "
+                         f"this reader takes {FORMAT!r} versions {SUPPORTED_VERSIONS}")
+    if m.get("state") != "complete":
+        raise ValueError(f"{path}: data_prep has not finished (state {m.get('state')!r}); "
+                         "run the same data_prep command again to complete it")
+    return m
+
+
+def dataset_checksum(dset: h5py.Dataset, rows_per_read: int = 1 << 18) -> str:
+    """sha256 of a dataset's contents in C order (what the manifest records), read in slices."""
+    h = hashlib.sha256()
+    for a in range(0, dset.shape[0], rows_per_read):
+        h.update(np.ascontiguousarray(dset[a:a + rows_per_read]))
+    return "sha256:" + h.hexdigest()
+
+
+class ShardReader:
+    """One split of a data_prep directory, as this rank's stream of fixed-size batches."""
+
+    def __init__(self, data_dir: str, split: str, rank: int, world_size: int, batch_size: int,
+                 verify: bool = False, read_bytes: int = 32 << 20) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.data_dir, self.split, self.rank, self.world_size = data_dir, split, rank, world_size
+        self.batch_size = batch_size
+        self.manifest = load_manifest(data_dir)
+        records = self.manifest["shards"][split]
+        if world_size > len(records):
+            raise ValueError(f"{data_dir}: {len(records)} shards per split, fewer than {world_size} ranks: "
+                             f"rank {rank} would read nothing; rerun data_prep with --shards >= {world_size}")
+        self.shards = list(range(rank, len(records), world_size))
+        self.records = [records[s] for s in self.shards]
+        self.paths = [os.path.join(data_dir, r["file"]) for r in self.records]
+        self._files = [self._open(p, r) for p, r in zip(self.paths, self.records)]
+        self.shard_rows = np.array([r["rows"] for r in self.records], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(self.shard_rows)])
+        self.rows_per_read = max(batch_size, (read_bytes // ROW_BYTES) // batch_size * batch_size)
+        if verify:
+            self.verify()
+
+    @property
+    def rows(self) -> int:
+        """Rows in this rank's shards."""
+        return int(self._starts[-1])
+
+    @property
+    def num_batches(self) -> int:
+        """Full batches in this rank's shards (the partial last one is not counted)."""
+        return self.rows // self.batch_size
+
+    def _open(self, path: str, record: dict) -> h5py.File:
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: shard file missing (listed in {self.data_dir}/manifest.json)")
+        f = h5py.File(path, "r")
+        shapes = {"labels": (record["rows"],), "dense": (record["rows"], NUM_DENSE),
+                  "keys": (record["rows"], NUM_FIELDS)}
+        for name, shape in shapes.items():
+            if name not in f or f[name].shape != shape:
+                f.close()
+                raise ValueError(f"{path}: dataset {name!r} missing or not of shape {shape} as the manifest says")
+        return f
+
+    def verify(self) -> None:
+        """Checks every dataset of this rank's shards against the manifest's checksums."""
+        for path, f, rec in zip(self.paths, self._files, self.records):
+            for name, want in rec["checksums"].items():
+                got = dataset_checksum(f[name])
+                if got != want:
+                    raise ValueError(f"{path}: dataset {name!r} does not match its checksum in "
+                                     f"manifest.json ({got} != {want}): the file is corrupt or from another run")
+
+    def batches(self, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
+        """Batches start .. stop-1 (stop defaults to num_batches). Each batch owns its arrays
+        (views of a slab read for it and its neighbours; nothing is reused later)."""
+        stop = self.num_batches if stop is None else stop
+        if not 0 <= start <= stop <= self.num_batches:
+            raise ValueError(f"batch range [{start}, {stop}) is outside [0, {self.num_batches}]")
+        per_slab = self.rows_per_read // self.batch_size
+        for first in range(start, stop, per_slab):
+            n = min(per_slab, stop - first)
+            labels, dense, keys = self._read(first * self.batch_size, (first + n) * self.batch_size)
+            for i in range(n):
+                sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
+                yield Batch(labels[sl], dense[sl], keys[sl])
+
+    def _read(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows [lo, hi) of this rank's stream: one slice read per shard it crosses."""
+        out = (np.empty(hi - lo, np.float32), np.empty((hi - lo, NUM_DENSE), np.float32),
+               np.empty((hi - lo, NUM_FIELDS), np.uint64))
+        i = int(np.searchsorted(self._starts, lo, side="right")) - 1
+        pos = lo
+        while pos < hi:
+            a = pos - self._starts[i]
+            b = min(hi, self._starts[i + 1]) - self._starts[i]
+            f = self._files[i]
+            dest = np.s_[pos - lo:pos - lo + (b - a)]
+            for name, arr in zip(("labels", "dense", "keys"), out):
+                if b > a:
+                    f[name].read_direct(arr, source_sel=np.s_[a:b], dest_sel=dest)
+            pos += b - a
+            i += 1
+        return out
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        self._files = []
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
