@@ -135,13 +135,15 @@ class ShardReader:
         per_slab = self.rows_per_read // self.batch_size
         for first in range(start, stop, per_slab):
             n = min(per_slab, stop - first)
-            labels, dense, keys = self._read(first * self.batch_size, (first + n) * self.batch_size)
+            labels, dense, keys = self.read_rows(first * self.batch_size, (first + n) * self.batch_size)
             for i in range(n):
                 sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
                 yield Batch(labels[sl], dense[sl], keys[sl])
 
-    def _read(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows [lo, hi) of this rank's stream: one slice read per shard it crosses."""
+    def read_rows(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows [lo, hi) of this rank's stream (labels, dense, keys): one slice read per shard it crosses."""
+        if not 0 <= lo <= hi <= self.rows:
+            raise ValueError(f"row range [{lo}, {hi}) is outside [0, {self.rows}]")
         out = (np.empty(hi - lo, np.float32), np.empty((hi - lo, NUM_DENSE), np.float32),
                np.empty((hi - lo, NUM_FIELDS), np.uint64))
         i = int(np.searchsorted(self._starts, lo, side="right")) - 1
