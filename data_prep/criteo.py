@@ -68,7 +68,7 @@ class Job:
         if self.chunk_bytes < 1 << 16:
             raise ValueError(f"--chunk-mb must be at least 1/16, got {self.chunk_bytes / 2**20}")
         if self.piece_lines < 1:
-            raise ValueError(f"piece_lines must be >= 1, got {self.piece_lines}")
+            raise ValueError(f"--piece-lines must be >= 1, got {self.piece_lines}")
 
     @property
     def work_dir(self) -> str:
@@ -88,6 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="input format (auto: tabs -> TSV, else CSV with a header)")
     p.add_argument("--chunk-mb", type=float, default=64.0,
                    help="a plain input is split into byte ranges of this size (the unit of work and of resume)")
+    p.add_argument("--piece-lines", type=int, default=1 << 19,
+                   help="lines per intermediate piece: a process holds one piece in memory (~300 bytes a line)")
     p.add_argument("--progress-seconds", type=float, default=10.0, help="progress line interval on rank 0")
 
 
@@ -95,9 +97,12 @@ def run(args: argparse.Namespace) -> int:
     comm = get_comm()
     setup_logging(rank=comm.rank, world_size=comm.size)
     try:
-        job = Job(tuple(args.input), os.path.abspath(args.out), args.shards, args.valid_fraction,
-                  args.strict, args.format, int(args.chunk_mb * (1 << 20)),
-                  progress_seconds=args.progress_seconds)
+        try:  # the same arguments fail the same way on every process
+            job = Job(tuple(args.input), os.path.abspath(args.out), args.shards, args.valid_fraction,
+                      args.strict, args.format, int(args.chunk_mb * (1 << 20)), args.piece_lines,
+                      args.progress_seconds)
+        except ValueError as e:
+            raise _SharedError(str(e)) from e
         return run_job(comm, job)
     except _SharedError as e:  # every process knows; rank 0 says it
         if comm.rank == 0:

@@ -13,6 +13,7 @@ position in that order, counting data lines only (a CSV header is not a data lin
 from __future__ import annotations
 
 import gzip
+import heapq
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -104,12 +105,12 @@ def make_units(sources: list[Source], chunk_bytes: int) -> list[Unit]:
 def assign_units(units: list[Unit], world_size: int) -> list[list[Unit]]:
     """Largest first, each to the least loaded process (ties: lowest rank); each process then
     works through its units in global order."""
-    load = [0] * world_size
+    heap = [(0, r) for r in range(world_size)]  # (bytes assigned, rank): already a heap
     out: list[list[Unit]] = [[] for _ in range(world_size)]
     for u in sorted(units, key=lambda u: (-u.size, u.id)):
-        r = min(range(world_size), key=lambda k: (load[k], k))
-        load[r] += u.size
+        load, r = heapq.heappop(heap)
         out[r].append(u)
+        heapq.heappush(heap, (load + u.size, r))
     return [sorted(us, key=lambda u: u.id) for us in out]
 
 

@@ -11,8 +11,9 @@ cut into batches of ``batch_size``; the last partial batch is not yielded.
     ...     labels.shape, dense.shape, keys.shape  # (4096,) (4096, 13) (4096, 26)
 
 Reads are large contiguous slices (``read_bytes`` at a time, across shard boundaries), never
-per row. ``start`` resumes at a batch index. ``verify=True`` checks every opened shard against
-the manifest's sha256 checksums first. Problems (no manifest, an unfinished data_prep run, a
+per row; ``read_rows(lo, hi)`` reads any row range of the stream (a window, evaluation's short
+last batch). ``start`` resumes at a batch index. ``verify=True`` checks every opened shard
+against the manifest's sha256 checksums first. Problems (no manifest, an unfinished data_prep run, a
 missing or corrupt shard, more ranks than shards) are a ValueError that names the path.
 """
 
@@ -140,7 +141,7 @@ class ShardReader:
                 sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
                 yield Batch(labels[sl], dense[sl], keys[sl])
 
-    def read_rows(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read_rows(self, lo: int, hi: int) -> Batch:
         """Rows [lo, hi) of this rank's stream (labels, dense, keys): one slice read per shard it crosses."""
         if not 0 <= lo <= hi <= self.rows:
             raise ValueError(f"row range [{lo}, {hi}) is outside [0, {self.rows}]")
@@ -158,7 +159,7 @@ class ShardReader:
                     f[name].read_direct(arr, source_sel=np.s_[a:b], dest_sel=dest)
             pos += b - a
             i += 1
-        return out
+        return Batch(*out)
 
     def close(self) -> None:
         for f in self._files:
