@@ -175,8 +175,21 @@ def nic_exports(nic: str, hca: str) -> dict[str, str]:
     return out
 
 
-def _listed(value: str) -> list[str]:
-    return [v.split(":")[0].lstrip("=^") for v in value.split(",") if v]
+_PREFIX_VARS = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA")  # NCCL matches prefixes unless a name starts with "="
+
+
+def _names(var: str, value: str, nic: str, hca: str) -> tuple[bool, bool]:
+    """(is an exclusion list, names the plan's NIC) for one variable's value."""
+    exclude = value.startswith("^")
+    want = [n for n in (nic, hca) if n]
+    hit = False
+    for item in value.lstrip("^").split(","):
+        name = item.split(":")[0]  # UCX and NCCL append ":port"
+        if var in _PREFIX_VARS and not name.startswith("="):
+            hit |= any(w.startswith(name) for w in want if name)
+        else:
+            hit |= name.lstrip("=") in want
+    return exclude, hit
 
 
 def nic_env_warnings(nic: str, hca: str, env: Mapping[str, str]) -> list[str]:
@@ -187,13 +200,12 @@ def nic_env_warnings(nic: str, hca: str, env: Mapping[str, str]) -> list[str]:
     for var in ("HOROVOD_GLOO_IFACE", "OMPI_MCA_btl_tcp_if_include", "NCCL_SOCKET_IFNAME",
                 "UCX_NET_DEVICES", "NCCL_IB_HCA"):
         value = env.get(var, "")
-        if not value or "/" in value:  # unset, or a CIDR subnet we cannot compare
+        if not value or "/" in value or value == "all":  # unset, a CIDR subnet, UCX's default
             continue
-        if value.startswith("^"):  # an exclusion list: wrong only if it excludes the plan's NIC
-            if nic in _listed(value) or (hca and hca in _listed(value)):
-                out.append(f"{var}={value} excludes the planned NIC {nic}")
-            continue
-        if nic not in _listed(value) and not (hca and hca in _listed(value)):
+        exclude, hit = _names(var, value, nic, hca)
+        if exclude and hit:
+            out.append(f"{var}={value} excludes the planned NIC {nic}")
+        elif not exclude and not hit:
             out.append(f"{var}={value} does not name the planned NIC {nic}" + (f" ({hca})" if hca else ""))
     return out
 

@@ -81,6 +81,10 @@ def test_nic_exports_and_checks():
     bad = nic_env_warnings("ibp12s0", "mlx5_0", {"UCX_NET_DEVICES": "mlx5_3:1", "HOROVOD_GLOO_IFACE": "eth0",
                                                 "NCCL_SOCKET_IFNAME": "^ibp12s0", "OMPI_MCA_btl_tcp_if_include":
                                                 "10.0.0.0/8"})
+    # NCCL matches prefixes: "ib" covers ibp12s0, "mlx5" covers mlx5_0; "=mlx5_1" is exact.
+    assert nic_env_warnings("ibp12s0", "mlx5_0", {"NCCL_SOCKET_IFNAME": "ib", "NCCL_IB_HCA": "mlx5"}) == []
+    assert nic_env_warnings("ibp12s0", "mlx5_0", {"NCCL_IB_HCA": "=mlx5_1", "UCX_NET_DEVICES": "all"}) == [
+        "NCCL_IB_HCA==mlx5_1 does not name the planned NIC ibp12s0 (mlx5_0)"]
     assert bad == ["HOROVOD_GLOO_IFACE=eth0 does not name the planned NIC ibp12s0 (mlx5_0)",
                    "NCCL_SOCKET_IFNAME=^ibp12s0 excludes the planned NIC ibp12s0",
                    "UCX_NET_DEVICES=mlx5_3:1 does not name the planned NIC ibp12s0 (mlx5_0)"]
