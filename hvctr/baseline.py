@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hvctr.data import ShardReader
 from hvctr.metrics import EvalAccumulator
 from hvctr.models import DNN, MLP
 
@@ -193,11 +194,9 @@ def run_ceiling_one_process(*, in_features: int, hidden: Sequence[int], batch_si
 
 
 def load_split(data_dir: str, split: str) -> Split:
-    """A split of a data_prep output directory, every shard, in RAM."""
-    from hvctr import data  # noqa: PLC0415 (lands with the data reader; imported where used)
-
-    labels, dense, keys = data.read_split(data_dir, split)
-    return Split(labels, dense, keys)
+    """Every row of one split of a data_prep output directory, in RAM (as one rank would read all shards)."""
+    with ShardReader(data_dir, split, rank=0, world_size=1, batch_size=1) as reader:
+        return Split(*reader.read_rows(0, reader.rows))
 
 
 # Command line ------------------------------------------------------------------------------

@@ -64,3 +64,20 @@ def test_bad_runs_are_a_clear_error(capsys):
     assert "bogus" in capsys.readouterr().err
     assert baseline.main(["--runs", "plain"]) == 2
     assert "--data" in capsys.readouterr().err
+
+
+def test_plain_baseline_on_a_data_prep_directory(tmp_path):
+    from data_prep.criteo import Job, run_job
+    from data_prep.mpi import Comm
+    from data_prep.synth import generate
+    generate(6000, seed=5, out=str(tmp_path / "in.tsv"))
+    assert run_job(Comm(), Job((str(tmp_path / "in.tsv"),), str(tmp_path / "data"), 3, valid_fraction=0.25)) == 0
+    train = baseline.load_split(str(tmp_path / "data"), "train")
+    valid = baseline.load_split(str(tmp_path / "data"), "valid")
+    assert len(train.labels) + len(valid.labels) == 6000 and train.keys.shape[1] == 26
+    out = tmp_path / "plain.jsonl"
+    assert baseline.main(["--data", str(tmp_path / "data"), "--runs", "plain", "--batch-size", "256", "--dim", "4",
+                          "--hidden", "16", "--threads", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["system"] == "plain_pytorch" and r["steps"] == len(train.labels) // 256
+    assert r["valid_count"] == len(valid.labels) and 0 <= r["valid_auc"] <= 1
