@@ -162,6 +162,9 @@ class CheckpointManager:
 
     # --- finding and loading ------------------------------------------------------------
 
+    def has_checkpoints(self) -> bool:
+        return self.dir.is_dir() and any(self.dir.glob(f"{_PREFIX}*/manifest.json"))
+
     def _complete_manifests(self) -> list[dict[str, Any]]:
         """Manifests found on disk, newest first (a directory without one is ignored)."""
         out = []

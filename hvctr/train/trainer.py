@@ -62,6 +62,9 @@ class Trainer:
         self.preempted = False
         if resume:
             self._resume()
+        elif self.ckpt.has_checkpoints():
+            raise ValueError(f"{self.ckpt.dir} already holds checkpoints: pass --resume to continue that run, "
+                             f"or choose a new train.run_dir")
 
     # --- building ------------------------------------------------------------------------
 
@@ -169,7 +172,7 @@ class Trainer:
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self.meter.add_loss(float(loss))
+        self.meter.add_loss(float(loss.detach()))
         return pos, gathered.grad
 
     def _local_step(self, w: Window, i: int, rows: torch.Tensor) -> None:
