@@ -152,7 +152,7 @@ class RowCache:
             t = self.tab_ent[slots]
             return (t == _EMPTY) | (t == _DEAD)
 
-        def take(slots: np.ndarray) -> None:
+        def take(slots: np.ndarray, _which: np.ndarray) -> None:
             self.n_dead -= int(np.count_nonzero(self.tab_ent[slots] == _DEAD))
             self.tab_ent[slots] = _CLAIMED
 

@@ -15,9 +15,10 @@ import textwrap
 from tests.conftest import REPO, VENV_PY
 
 BUDGET = 4 << 20
-# Stated overhead beyond the cache budget: one batch's transients (keys, rows, probe windows
-# of 16 slots per key, sort permutations) for batches of 16k keys, plus HDF5's and the
-# allocator's slack. BENCHMARKS.md and README.md quote it.
+# Stated overhead beyond the cache budget: one call's transients (keys, rows and their copies
+# for the cache, the shard and write-back, sort permutations; about 1 KiB per key for these
+# 112-byte rows) for calls of 16k keys, the 1 MiB write-merge buffer, and the allocator's
+# slack. README.md quotes it.
 OVERHEAD = 16 << 20
 
 CHILD = textwrap.dedent("""
@@ -46,6 +47,7 @@ CHILD = textwrap.dedent("""
     def expected(k):  # a row that names its key: column j holds (key mod 10007) + j
         return (k % np.uint64(10007)).astype(np.float32)[:, None] + np.arange(28, dtype=np.float32)
 
+    order = np.random.default_rng(2).permutation(n_rows)
     base = rss_anon()
     tracemalloc.start()
     t = threading.Thread(target=sampler, daemon=True)
@@ -58,7 +60,6 @@ CHILD = textwrap.dedent("""
         peak[0] = max(peak[0], rss_anon())
     store.flush()
     bad = 0
-    order = np.random.default_rng(2).permutation(n_rows)
     for s in range(0, n_rows, batch):  # read back in random order: mostly cache misses
         k = keys[order[s:s + batch]]
         bad += int(np.count_nonzero(store.read(k) != expected(k)))
