@@ -245,6 +245,7 @@ def exchange_worker(args: argparse.Namespace) -> int:
                            **{f"push_{k}": push[k] for k in ("exchange_s", "cache_s", "shard_s", "other_s")}})
     stats = store.stats()
     store.close()
+    # comm: allgather of each rank's per-window timings (small JSON)
     gathered = comm.allgather_object({"windows": per_window, "hit_rate": stats["cache_hit_rate"],
                                       "shard_rows": stats["shard_rows"]}, name="b.gather")
     if comm.rank == 0:

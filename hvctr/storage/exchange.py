@@ -80,9 +80,15 @@ class ShardedTable:
         self.bucket_owner = np.asarray(bucket_owner, dtype=np.int32)
         self.device = torch.device(device)
         self.width = store.layout.width
-        self.last: dict[str, float] = {}  # the timing split of the calling thread's last call
         self._totals: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._local = threading.local()  # the prefetch thread's warm must not overwrite pull's split
+
+    @property
+    def last(self) -> dict[str, float]:
+        """Timing split (total, exchange, cache, shard, other seconds) and bytes of the calling
+        thread's last call."""
+        return getattr(self._local, "last", {})
 
     # --- routing and timing ------------------------------------------------------------
 
@@ -119,8 +125,8 @@ class ShardedTable:
         rec["shard_s"] = shard1 - shard0
         rec["cache_s"] = (store1 - store0) - rec["shard_s"]
         rec["other_s"] = rec["total_s"] - rec["exchange_s"] - (store1 - store0)
+        self._local.last = {"op": op, **rec}
         with self._lock:
-            self.last = {"op": op, **rec}
             self._totals[f"{op}_calls"] = self._totals.get(f"{op}_calls", 0) + 1
             for k, v in rec.items():
                 self._totals[f"{op}_{k}"] = self._totals.get(f"{op}_{k}", 0.0) + v

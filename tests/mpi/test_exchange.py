@@ -198,6 +198,7 @@ def test_read_only_inserts_nothing_and_warm_runs_beside_push(comm, shard_dir):
     mine = slice(comm.rank, None, comm.size)  # ranks push disjoint parts: no averaging here
     table.push(seen[mine], rows[mine] + 1, name="r.u0")
     th.join()
+    assert table.last["op"] == "push"  # per thread: the warm thread's call does not show here
     expect = rows.numpy().copy()
     expect += 1
     np.testing.assert_array_equal(table.pull(seen, name="r.p1").numpy(), expect)

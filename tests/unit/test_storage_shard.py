@@ -10,7 +10,7 @@ import pytest
 
 from hvctr.keys import EMPTY_KEY, default_bucket_owner, mix64
 from hvctr.storage.row import RowLayout
-from hvctr.storage.shard import BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullError
+from hvctr.storage.shard import BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullError, pwrite_runs
 from tests.conftest import VENV_PY, REPO
 
 
@@ -155,3 +155,23 @@ def test_rejects_missing_and_foreign_files(tmp_path):
     with pytest.raises(ValueError, match="format_version"):
         Shard.open(tmp_path / "other.h5")
 
+
+
+@pytest.mark.parametrize("with_current", [False, True])
+def test_pwrite_runs_writes_exactly_the_given_items(tmp_path, with_current):
+    # With the current contents, nearby runs merge and gaps are rewritten unchanged.
+    rng = np.random.default_rng(0)
+    path = str(tmp_path / "f.bin")
+    for trial in range(30):
+        n_items, width = int(rng.integers(1, 20_000)), int(rng.choice([4, 28, 52]))
+        init = rng.standard_normal((n_items, width)).astype(np.float32)
+        init.tofile(path)
+        pos = np.sort(rng.choice(n_items, int(rng.integers(0, n_items + 1)), replace=False))
+        data = rng.standard_normal((pos.size, width)).astype(np.float32)
+        fd = os.open(path, os.O_RDWR)
+        current = np.memmap(path, np.float32, "r", 0, (n_items, width)) if with_current else None
+        pwrite_runs(fd, 0, 4 * width, pos, data, current)
+        os.close(fd)
+        want = init.copy()
+        want[pos] = data
+        np.testing.assert_array_equal(np.fromfile(path, np.float32).reshape(n_items, width), want, err_msg=str(trial))
