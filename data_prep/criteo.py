@@ -350,14 +350,13 @@ class Tracker:
             log.info(f"resuming {job.out}: {done} of {len(units)} units recorded as parsed, "
                      f"{sum(r is not None for r in m['shards']['train'])} of {job.shards} shards written")
         self.start_phase("parse", sum(units[i].size for i in pending))
-        self.flush()
         return Plan(sources, units, pending, session)
 
     def start_phase(self, name: str, total: float) -> None:
         self.phase, self.total, self.done_ranks, self.seen = name, total, 0, {}
         self.t_phase = self.t_log = time.monotonic()
         self.manifest["phase"] = name
-        self.dirty = True
+        self.flush()
 
     def service(self) -> None:
         for msg in self.comm.drain():
