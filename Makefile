@@ -17,8 +17,9 @@ DEMO_DIR ?= runs/demo
 setup:
 	@bash .ci/setup.sh
 
+# setup installed Slurm and munge: the Slurm tests (tests/e2e/test_slurm.py) must run, not skip.
 test: setup
-	$(MAKE) --no-print-directory test-unit test-mpi test-e2e
+	HVCTR_REQUIRE_SLURM=1 $(MAKE) --no-print-directory test-unit test-mpi test-e2e
 
 test-unit:
 	$(PYTEST) tests/unit
@@ -30,6 +31,7 @@ test-mpi:
 	$(MPIRUN) -np 3 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi
 	$(MPIRUN) -np 4 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi/test_hierarchical.py
 
+# Whole jobs, including the sbatch scripts on a real Slurm cluster started on this machine (root).
 test-e2e:
 	$(PYTEST) tests/e2e
 
