@@ -396,9 +396,9 @@ class Tracker:
         frac = done / self.total if self.total else 1.0
         eta = (self.total - done) / (done / dt) if done else float("nan")
         what = (f"{_gb(nbytes)} of {_gb(self.total)} read" if self.phase == "parse"
-                else f"{rows / 1e6:.2f}M of {self.total / 1e6:.2f}M rows written")
-        return (f"{self.phase}: {rows / 1e6:.2f}M rows, {what} ({100 * frac:.0f}%), "
-                f"{rows / dt / 1e3:.0f}k rows/s, {nbytes / dt / 1e6:.0f} MB/s, ETA {_hms(eta)}")
+                else f"{_num(rows)} of {_num(self.total)} written")
+        speed = f"{_num(rows / dt)} rows/s" + (f", {nbytes / dt / 1e6:.0f} MB/s" if self.phase == "parse" else "")
+        return f"{self.phase}: {_num(rows)} rows, {what} ({100 * frac:.0f}%), {speed}, ETA {_hms(eta)}"
 
     def flush(self) -> None:
         t = time.monotonic()
@@ -417,7 +417,11 @@ class Tracker:
         t = self.manifest["totals"]
         log.info(f"done: {t['rows']} rows ({t['train']['rows']} train, {t['valid']['rows']} valid) "
                  f"in {self.job.shards} shards per split, {t['bad_lines']} bad lines, "
-                 f"{elapsed:.1f} s ({t['rows'] / max(elapsed, 1e-9) / 1e3:.0f}k rows/s); {self.path}")
+                 f"{elapsed:.1f} s ({_num(t['rows'] / max(elapsed, 1e-9))} rows/s); {self.path}")
+
+
+def _num(n: float) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else f"{n:.0f}"
 
 
 def _gb(n: float) -> str:

@@ -264,8 +264,8 @@ def _parse_cats(buf: np.ndarray, v64: np.ndarray, ends: np.ndarray, lengths: np.
 def _hex_values(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Values (uint64) of hex fields and whether a field is 1..16 hex digits."""
     ok = (lengths >= 1) & (lengths <= 16)
-    if np.all((lengths == 8) | (lengths == 0)):  # Criteo's own values: one pass, no selection
-        vals, good = _hex_width(v64, ends, lengths, 8)
+    if np.all((lengths == 8) | (lengths == 0)):  # Criteo's own values: one pass, no masks
+        vals, good = _hex_width(v64, ends, lengths, 8, full=True)
         return vals, ok & good
     vals = np.zeros(len(ends), dtype=np.uint64)
     for mask, width in ((ok & (lengths <= 8), 8), (ok & (lengths > 8), 16)):
@@ -276,20 +276,23 @@ def _hex_values(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> tuple
     return vals, ok
 
 
-def _hex_width(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+def _hex_width(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray, width: int,
+               full: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """full: every field is 8 bytes or empty (an empty one's value is never used): no masks."""
     if width == 16:
         hi, okhi = _hex_width(v64, ends - 8, np.maximum(lengths - 8, 0), 8)
         lo, oklo = _hex_width(v64, ends, np.minimum(lengths, 8), 8)
         return (hi << _U32) | lo, okhi & oklo
     w = v64[ends - 8]
     b = w.view(np.uint8).reshape(-1, 8)
-    inside = _INSIDE[np.minimum(lengths, 8)]
     lower = b | np.uint8(0x20)
-    nothex = ((b - np.uint8(48)) > 9) & ((lower - np.uint8(97)) > 5)
-    good = (_word(nothex) & inside) == 0
+    nothex = _word(((b - np.uint8(48)) > 9) & ((lower - np.uint8(97)) > 5))
     # ASCII hex -> nibble: low 4 bits, plus 9 for letters (bit 6 set)
     nib = (w & _LOW4) + np.uint64(9) * ((w >> np.uint64(6)) & _ONES)
-    return _swar_hex8(nib & inside), good
+    if full:
+        return _swar_hex8(nib), nothex == 0
+    inside = _INSIDE[np.minimum(lengths, 8)]
+    return _swar_hex8(nib & inside), (nothex & inside) == 0
 
 
 def _string_keys(buf: np.ndarray, ends: np.ndarray, lengths: np.ndarray, field_of: np.ndarray) -> np.ndarray:

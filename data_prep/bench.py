@@ -1,0 +1,135 @@
+"""Preprocessing throughput, measured side by side in one run, written into BENCHMARKS.md.
+
+    python -m data_prep.bench --rows 2000000            # ~1 minute on 2 cores
+
+1. ``data_prep synth`` writes the input (its rate is the generator's figure).
+2. ``data_prep criteo`` turns it into shards with 1 process (no mpirun) and with 2 (mpirun
+   -np 2), alternating, ``--repeat`` times each; the median of each is reported. The input is
+   in the page cache for both. A rate "in job" is rows / the job's own elapsed time (from its
+   manifest: after MPI start-up, up to the complete manifest); "wall" includes the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from data_prep import synth
+
+REPO = Path(__file__).resolve().parents[1]
+SECTION = "## Preprocessing"
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+
+
+def _criteo(np_: int, tsv: Path, out: Path, shards: int) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    launch = ["mpirun", "-np", str(np_), "--bind-to", "none", sys.executable, "-m", "mpi4py"] if np_ > 1 else [sys.executable]
+    cmd = [*launch, "-m", "data_prep", "criteo", "--input", str(tsv), "--out", str(out),
+           "--shards", str(shards), "--valid-fraction", "0.05"]
+    t0 = time.monotonic()
+    subprocess.run(cmd, env={**os.environ, **MPI_ENV}, check=True, capture_output=True)
+    wall = time.monotonic() - t0
+    m = json.loads((out / "manifest.json").read_text())
+    rows = m["totals"]["rows"]
+    return {"rows": rows, "wall_s": wall, "job_s": m["sessions"][-1]["elapsed_s"],
+            "checksums": m["shards"]}
+
+
+def measure(rows: int, shards: int, repeat: int, work: Path) -> dict:
+    tsv = work / "bench.tsv"
+    gen = synth.generate(rows, seed=1, out=str(tsv))
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    for _ in range(repeat):
+        for np_ in (1, 2):
+            runs[np_].append(_criteo(np_, tsv, work / f"out{np_}", shards))
+    assert runs[1][0]["checksums"] == runs[2][0]["checksums"], "1 and 2 processes wrote different shards"
+    res = {"rows": rows, "tsv_bytes": tsv.stat().st_size, "shards": shards, "repeat": repeat,
+           "synth_rows_per_s": rows / gen["seconds"], "synth_auc": gen["expected_auc"]}
+    for np_, rs in runs.items():
+        res[f"p{np_}_job_rows_per_s"] = statistics.median(r["rows"] / r["job_s"] for r in rs)
+        res[f"p{np_}_wall_rows_per_s"] = statistics.median(r["rows"] / r["wall_s"] for r in rs)
+    res["speedup_job"] = res["p2_job_rows_per_s"] / res["p1_job_rows_per_s"]
+    res["speedup_wall"] = res["p2_wall_rows_per_s"] / res["p1_wall_rows_per_s"]
+    return res
+
+
+def _cpu() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+def render(res: dict, command: str) -> str:
+    k = lambda x: f"{x / 1e3:,.0f}k"
+    return f"""{SECTION}
+
+Command: `{command}` ({time.strftime('%Y-%m-%d')}; {os.cpu_count()} cores, no GPU, {_cpu()};
+other work on the machine at the time: unknown, so read the ratio, not the absolute figures).
+Input: {res['rows']:,} synthetic Criteo rows from `data_prep synth` ({res['tsv_bytes'] / 1e6:,.0f} MB of TSV,
+in the page cache); `data_prep criteo --shards {res['shards']} --valid-fraction 0.05`; 1 and 2 processes
+alternated, {res['repeat']} runs each, medians. "In job": rows / the job's own elapsed time from its
+manifest (parse + assemble + checksums, after MPI start-up); "wall": the whole command, launcher included.
+
+| step | processes | rows/s in job | rows/s per process | rows/s wall |
+|---|---|---|---|---|
+| TSV -> shards | 1 | {k(res['p1_job_rows_per_s'])} | {k(res['p1_job_rows_per_s'])} | {k(res['p1_wall_rows_per_s'])} |
+| TSV -> shards | 2 (`mpirun -np 2`) | {k(res['p2_job_rows_per_s'])} | {k(res['p2_job_rows_per_s'] / 2)} | {k(res['p2_wall_rows_per_s'])} |
+| `data_prep synth` | 1 | {k(res['synth_rows_per_s'])} | {k(res['synth_rows_per_s'])} | |
+
+2 processes / 1: **{res['speedup_job']:.2f}x** in job, {res['speedup_wall']:.2f}x wall (mpirun's start-up is
+about a second). The shards of both runs have identical checksums. The generator's data has a
+Bayes-optimal AUC of {res['synth_auc']:.4f} (expected, from its true probabilities).
+"""
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replaces the ## Preprocessing section of BENCHMARKS.md (or appends it)."""
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = old.find(SECTION + "\n")
+    if start < 0:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = old.find("\n## ", start + len(SECTION))
+        new = old[:start] + text + ("\n" + old[end + 1:] if end >= 0 else "")
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(new)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m data_prep.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=2_000_000)
+    p.add_argument("--shards", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--work-dir", help="scratch directory (default: a temporary one, removed after)")
+    p.add_argument("--benchmarks", default=str(REPO / "BENCHMARKS.md"), help="file to write the section into")
+    p.add_argument("--no-write", action="store_true", help="print the section only")
+    args = p.parse_args(argv)
+    command = "python -m data_prep.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
+        res = measure(args.rows, args.shards, args.repeat, Path(work))
+    text = render(res, command.strip())
+    print(text)
+    print(json.dumps({k: v for k, v in res.items()}, indent=1))
+    if not args.no_write:
+        write_section(Path(args.benchmarks), text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
