@@ -34,7 +34,9 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
 
 def _criteo(np_: int, tsv: Path, out: Path, shards: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    launch = ["mpirun", "-np", str(np_), "--bind-to", "none", sys.executable, "-m", "mpi4py"] if np_ > 1 else [sys.executable]
+    launch = [sys.executable]
+    if np_ > 1:
+        launch = ["mpirun", "-np", str(np_), "--bind-to", "none", sys.executable, "-m", "mpi4py"]
     cmd = [*launch, "-m", "data_prep", "criteo", "--input", str(tsv), "--out", str(out),
            "--shards", str(shards), "--valid-fraction", "0.05"]
     t0 = time.monotonic()
@@ -88,7 +90,8 @@ manifest (parse + assemble + checksums, after MPI start-up); "wall": the whole c
 | step | processes | rows/s in job | rows/s per process | rows/s wall |
 |---|---|---|---|---|
 | TSV -> shards | 1 | {k(res['p1_job_rows_per_s'])} | {k(res['p1_job_rows_per_s'])} | {k(res['p1_wall_rows_per_s'])} |
-| TSV -> shards | 2 (`mpirun -np 2`) | {k(res['p2_job_rows_per_s'])} | {k(res['p2_job_rows_per_s'] / 2)} | {k(res['p2_wall_rows_per_s'])} |
+| TSV -> shards | 2 (`mpirun -np 2`) | {k(res['p2_job_rows_per_s'])} | {k(res['p2_job_rows_per_s'] / 2)} \
+| {k(res['p2_wall_rows_per_s'])} |
 | `data_prep synth` | 1 | {k(res['synth_rows_per_s'])} | {k(res['synth_rows_per_s'])} | |
 
 2 processes / 1: **{res['speedup_job']:.2f}x** in job, {res['speedup_wall']:.2f}x wall (mpirun's start-up is

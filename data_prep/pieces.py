@@ -69,7 +69,8 @@ def _cat(arrays: list[np.ndarray], dtype, empty_shape) -> np.ndarray:
     return np.concatenate(arrays) if arrays else np.zeros(empty_shape, dtype=dtype)
 
 
-def piece_shard_counts(offset: int, lines: int, bad: np.ndarray, shards: int, cutoff: int) -> tuple[np.ndarray, np.ndarray]:
+def piece_shard_counts(offset: int, lines: int, bad: np.ndarray, shards: int,
+                       cutoff: int) -> tuple[np.ndarray, np.ndarray]:
     """Training and validation rows that a piece gives to each shard (arrays of length S).
 
     Lines l in [0, lines) have g = offset + l, shard g mod S; valid when g >= cutoff; the

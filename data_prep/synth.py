@@ -365,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"synth: {r['rows']} rows, seed {r['seed']} -> {args.out}"
           + (f" (truth: {args.truth_out})" if args.truth_out else ""))
-    print(f"synth: positive rate expected {r['expected_positive_rate']:.4f}, realised {r['realised_positive_rate']:.4f}")
+    print(f"synth: positive rate expected {r['expected_positive_rate']:.4f}, "
+          f"realised {r['realised_positive_rate']:.4f}")
     print(f"synth: Bayes-optimal AUC expected {r['expected_auc']:.4f}, realised {r['realised_auc']:.4f}")
     print(f"synth: Bayes-optimal logloss expected {r['expected_logloss']:.4f}, realised {r['realised_logloss']:.4f}")
     print(f"synth: {r['seconds']:.1f} s, {r['rows'] / r['seconds'] / 1e3:.0f}k rows/s")
