@@ -353,8 +353,11 @@ class Tracker:
         return Plan(sources, units, pending, session)
 
     def start_phase(self, name: str, total: float) -> None:
+        now = time.monotonic()
+        if self.t_phase:  # the phase that ends now: its duration goes into this session's record
+            self.manifest["sessions"][-1].setdefault("phase_s", {})[self.phase] = round(now - self.t_phase, 3)
         self.phase, self.total, self.done_ranks, self.seen = name, total, 0, {}
-        self.t_phase = self.t_log = time.monotonic()
+        self.t_phase = self.t_log = now
         self.manifest["phase"] = name
         self.flush()
 
@@ -411,6 +414,7 @@ class Tracker:
         return _assembly(self.manifest, self.job)
 
     def finish(self, elapsed: float) -> None:
+        self.manifest["sessions"][-1].setdefault("phase_s", {})[self.phase] = round(time.monotonic() - self.t_phase, 3)
         _finish(self.manifest, self.job, elapsed)
         self.flush()
         shutil.rmtree(self.job.work_dir, ignore_errors=True)
