@@ -1,10 +1,12 @@
 """Linear probing, vectorised over a batch of keys: shared by the shard index and the cache.
 
 A table has ``nslots`` slots; key k starts at ``home[k]`` and walks ``home, home+1, ...``
-(mod nslots). Each numpy step probes one slot for every key still pending: a flat gather
-(about 1 ns per key) beats gathering a window of slots per key (numpy's per-row overhead made
-that 10-40x slower), and at the load factors used most keys finish in one or two steps.
-Callers say how a slot reads:
+(mod nslots). Each numpy step probes every pending key at once. The first steps look at one
+slot per key (a flat gather, about 1 ns per key: most keys finish in one or two steps);
+the few keys still pending then look at windows of 32 slots per step, so the long probe
+runs of a well-filled table cost a few steps instead of one step per slot. (Windows for
+every key from the start are 10-40x slower: numpy's fancy indexing pays per gathered row.)
+Callers say how slots read (``slots`` is [m] or [m, window]):
 
 - ``load(slots) -> (table_keys, empty)``: the keys stored in ``slots``, where dead slots
   (tombstones) show a key no real key equals, and whether each slot was never used (a
@@ -19,6 +21,13 @@ from typing import Callable
 import numpy as np
 
 Load = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+_FLAT_STEPS = 4
+_WINDOW = np.arange(32, dtype=np.int64)
+
+
+def _slots(cur: np.ndarray, step: int, nslots: int) -> np.ndarray:
+    """The slots pending keys look at this step: [m] early on, [m, 32] afterwards."""
+    return cur if step < _FLAT_STEPS else (cur[:, None] + _WINDOW) % nslots
 
 
 def find(keys: np.ndarray, home: np.ndarray, nslots: int, load: Load) -> np.ndarray:
@@ -26,16 +35,26 @@ def find(keys: np.ndarray, home: np.ndarray, nslots: int, load: Load) -> np.ndar
     out = np.full(keys.shape[0], -1, dtype=np.int64)
     todo = np.arange(keys.shape[0])
     cur = home.astype(np.int64, copy=True)
-    want = keys
-    for _ in range(nslots):
-        if not todo.size:
-            break
-        table_keys, empty = load(cur)
-        match = table_keys == want
-        out[todo[match]] = cur[match]
-        go_on = ~(match | empty)
-        todo, cur, want = todo[go_on], cur[go_on] + 1, want[go_on]
-        cur[cur == nslots] = 0
+    step = probed = 0
+    while todo.size and probed < nslots:
+        slots = _slots(cur, step, nslots)
+        table_keys, empty = load(slots)
+        if slots.ndim == 1:
+            match, stop = table_keys == keys[todo], None
+            out[todo[match]] = cur[match]
+            done = match | empty
+            width = 1
+        else:
+            match = table_keys == keys[todo, None]
+            hit_or_empty = match | empty
+            done = hit_or_empty.any(axis=1)
+            first = hit_or_empty.argmax(axis=1)
+            r = np.flatnonzero(done)
+            hit = r[match[r, first[r]]]
+            out[todo[hit]] = slots[hit, first[hit]]
+            width = _WINDOW.size
+        todo, cur = todo[~done], (cur[~done] + width) % nslots
+        step, probed = step + 1, probed + width
     return out
 
 
@@ -43,28 +62,36 @@ def claim(home: np.ndarray, nslots: int, free: Callable[[np.ndarray], np.ndarray
           take: Callable[[np.ndarray, np.ndarray], None]) -> np.ndarray:
     """Claims one free slot for each entry of ``home`` (keys known absent and unique).
 
-    Each step, every pending key looks at its current slot; where it is free, the key
-    earliest in the batch among those there wins and ``take(slots, batch_indices)`` marks
-    it used; the others look again (no longer free) and move on. The result depends only
-    on the table and the batch order: deterministic. Returns the slots (int64 [n]).
+    Each step, every pending key picks the first free slot it sees; where several pick the
+    same slot, the one earliest in the batch wins and ``take(slots, batch_indices)`` marks
+    it used (slots ascending); the others look again from where they were (the slot is no
+    longer free). The result depends only on the table and the batch order: deterministic.
+    Returns the slots (int64 [n]).
     """
     n = home.shape[0]
     out = np.full(n, -1, dtype=np.int64)
     todo = np.arange(n)
     cur = home.astype(np.int64, copy=True)
-    for _ in range(nslots + n):
-        if not todo.size:
-            return out
-        ok = free(cur)
-        won_slot, first = np.unique(cur[ok], return_index=True)
-        winners = todo[ok][first]
+    step = 0
+    while todo.size:
+        if step > nslots + n:  # every step places a key or moves every pending key on
+            raise AssertionError("probing table has no free slot")  # callers bound the load factor
+        slots = _slots(cur, step, nslots)
+        ok = free(slots)
+        if slots.ndim == 1:
+            has, pick, width = ok, cur, 1
+        else:
+            has = ok.any(axis=1)
+            pick, width = slots[np.arange(slots.shape[0]), ok.argmax(axis=1)], _WINDOW.size
+        won_slot, first = np.unique(pick[has], return_index=True)
+        winners = todo[has][first]
         take(won_slot, winners)
         out[winners] = won_slot
         placed = np.zeros(n, dtype=bool)
         placed[winners] = True
         stay = ~placed[todo]
-        move = ~ok[stay]  # losers of a contested free slot stay to see it taken
+        move = ~has[stay]  # keys that saw no free slot move on; losers look again
         todo, cur = todo[stay], cur[stay]
-        cur[move] += 1
-        cur[cur == nslots] = 0
-    raise AssertionError("probing table has no free slot")  # callers bound the load factor
+        cur[move] = (cur[move] + width) % nslots
+        step += 1
+    return out
