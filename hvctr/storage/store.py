@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from hvctr.config import StorageConfig
-from hvctr.keys import default_bucket_owner, mix64
+from hvctr.keys import default_bucket_owner, mix64, owner_of
 from hvctr.storage.cache import RowCache
 from hvctr.storage.row import RowLayout, default_row, init_rows
 from hvctr.storage.shard import Shard
@@ -397,6 +397,10 @@ class EmbeddingStore:
         """
         keys = _unique_keys(keys)
         rows = np.asarray(rows, dtype=np.float32)
+        foreign = owner_of(keys, self.shard.bucket_owner) != self.shard.rank
+        if foreign.any():
+            raise ValueError(f"load_rows into {self.path}: {int(foreign.sum())} keys (e.g. {int(keys[foreign][0])}) "
+                             f"belong to other ranks under this shard's bucket table")
         with self._lock, self._timed():
             ent = self.cache.lookup(keys, "peek")
             self.cache.discard(ent[ent >= 0])

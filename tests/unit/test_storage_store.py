@@ -186,6 +186,10 @@ def test_user_errors(tmp_path):
     uni = _universe()
     with pytest.raises(ValueError, match="unique"):
         store.read(np.array([5, 3, 5], dtype=np.uint64))
+    two = EmbeddingStore(cfg, tmp_path / "r1.h5", rank=1, world_size=2)
+    with pytest.raises(ValueError, match="belong to other ranks"):
+        two.load_rows(uni[:20], np.zeros((20, LAYOUT.width), np.float32))  # about half are rank 0's
+    two.close()
     with pytest.raises(ValueError, match="storage.rows_per_rank"):
         store.read(uni[:150])
     store.close()
