@@ -334,6 +334,7 @@ class Tracker:
                              "use another --out or delete it")
         if old is not None and old.get("state") == "complete":
             self.manifest = old
+            shutil.rmtree(job.work_dir, ignore_errors=True)  # a kill after the manifest, before cleanup
             return Plan(sources, units, [], 0, complete=True)
         m = old if old is not None else _new_manifest(ident, sources, len(units), job.shards)
         _forget_unfinished(m, job)
