@@ -209,7 +209,8 @@ def _hidden(text: str) -> tuple[int, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="data_prep output directory (train split, and valid unless --valid-data)")
     p.add_argument("--valid-data", help="directory of the validation split; default: --data")
-    p.add_argument("--runs", default="plain,ceiling", help="comma list of: plain, ceiling, ceiling1 (default %(default)s)")
+    p.add_argument("--runs", default="plain,ceiling",
+                   help="comma list of: plain, ceiling, ceiling1 (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--hidden", type=_hidden, default=(512, 256), help="MLP hidden layers, e.g. 512,256")
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         if args.ceiling_worker:
-            r = mlp_steps(args.in_features, args.hidden, args.batch_size, args.ceiling_steps, before_timing=_worker_wait)
+            r = mlp_steps(args.in_features, args.hidden, args.batch_size, args.ceiling_steps,
+                          before_timing=_worker_wait)
             print(json.dumps(r), flush=True)
             return 0
         try:

@@ -45,7 +45,8 @@ class _CTRModel(nn.Module):
         self.deep_in = num_fields * dim + num_dense
 
     def _deep_input(self, dense: Tensor, emb: Tensor) -> Tensor:
-        assert emb.shape[1:] == (self.num_fields, self.dim), f"emb {tuple(emb.shape)} vs F={self.num_fields}, D={self.dim}"
+        assert emb.shape[1:] == (self.num_fields, self.dim), \
+            f"emb {tuple(emb.shape)} vs F={self.num_fields}, D={self.dim}"
         return torch.cat([emb.flatten(1), dense], dim=1)
 
 

@@ -48,7 +48,8 @@ def get_adam_states(opt: torch.optim.Adam, names: tuple[str, ...] = ("exp_avg", 
     return [opt.state[p][name] for p in _params(opt) for name in names]
 
 
-def set_adam_states(opt: torch.optim.Adam, tensors: list[Tensor], names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")) -> None:
+def set_adam_states(opt: torch.optim.Adam, tensors: list[Tensor],
+                    names: tuple[str, ...] = ("exp_avg", "exp_avg_sq")) -> None:
     """Copies ``tensors`` (get_adam_states' order) into the optimizer's state."""
     targets = get_adam_states(opt, names)
     if len(tensors) != len(targets):
