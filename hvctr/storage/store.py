@@ -126,12 +126,12 @@ class EmbeddingStore:
 
     def _check_matches(self, rank: int, world_size: int) -> None:
         s = self.shard
-        for key, have, want in (("dim", s.layout.dim, self.cfg.dim), ("rank", s.rank, rank),
-                                ("world_size", s.world_size, world_size)):
+        for key, have, want in (("storage.dim", s.layout.dim, self.cfg.dim), ("storage.seed", s.init_seed, self.cfg.seed),
+                                ("rank", s.rank, rank), ("world_size", s.world_size, world_size)):
             if have != want:
                 s.close()
-                raise ValueError(f"shard file {self.path} has {key}={have}, this run has {key}={want} "
-                                 f"(storage.dim, or a different world size: use a fresh shard_dir)")
+                raise ValueError(f"shard file {self.path} was made with {key}={have}, this run has {want}: "
+                                 f"use a fresh storage.shard_dir (or the settings the shard was made with)")
 
     @contextmanager
     def _timed(self, shard: bool = False):
