@@ -59,6 +59,8 @@ class Trainer:
         self.meter = Meter(comm.rank, run_dir / "metrics.jsonl", cfg.metrics.log_every_steps,
                            cfg.data.batch_size_per_rank, comm.size)
         self._flags = [0, 0]  # set by signal handlers, carried by the next merge
+        self._ws_rows = 0  # rows of the last window's working set
+        self._merge_ms = 0.0  # dense merge + sparse push of the last window
         self.preempted = False
         if resume:
             self._resume()
@@ -262,8 +264,8 @@ class Trainer:
 
     def _progress_extra(self) -> dict[str, Any]:
         st = self.store.stats()
-        return {"cache_hit_rate": round(st["cache_hit_rate"], 4), "working_set_rows": getattr(self, "_ws_rows", 0),
-                "merge_ms": round(getattr(self, "_merge_ms", 0.0), 2)}
+        return {"cache_hit_rate": round(st["cache_hit_rate"], 4), "working_set_rows": self._ws_rows,
+                "merge_ms": round(self._merge_ms, 2)}
 
     def summary(self, prefetch_read_s: float = 0.0) -> dict[str, Any]:
         elapsed = self.meter.elapsed()
