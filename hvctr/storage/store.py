@@ -321,6 +321,17 @@ class EmbeddingStore:
             self.shard.pass_index += 1
             self.shard.save_state(clean=False)
 
+    @property
+    def pass_index(self) -> int:
+        """The TTL clock: passes ended so far (end_pass counts them; checkpoints carry it)."""
+        return self.shard.pass_index
+
+    def set_pass_index(self, value: int) -> None:
+        """Restores the TTL clock from a checkpoint."""
+        with self._lock:
+            self.shard.pass_index = int(value)
+            self.shard.save_state(clean=False)
+
     def compact(self) -> int:
         """Drops rows not written during the last ``storage.ttl_passes`` passes; returns how many.
 
@@ -353,11 +364,13 @@ class EmbeddingStore:
             self.shard = Shard.open(self.path)
             return dropped
 
-    def iter_rows(self, chunk_rows: int = 1 << 16, delta_only: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def iter_rows(self, chunk_rows: int = 1 << 16, delta_only: bool = False,
+                  with_last_seen: bool = False) -> Iterator[tuple[np.ndarray, ...]]:
         """Every stored (keys, rows), in shard order, in chunks; flushes first.
 
-        ``delta_only``: only rows written since the last checkpoint mark. Do not interleave
-        with writes (between windows, as checkpoints are).
+        ``delta_only``: only rows written since the last checkpoint mark. ``with_last_seen``:
+        (keys, rows, last_seen) with each row's TTL pass (int32), so that a checkpoint carries
+        the TTL clock. Do not interleave with writes (between windows, as checkpoints are).
         """
         self.flush()
         for start in range(0, self.shard.n_rows, chunk_rows):
@@ -366,12 +379,11 @@ class EmbeddingStore:
                 if delta_only:
                     sel = np.flatnonzero(meta["generation"] == self.shard.generation)
                     rows = self.shard.read_rows(start + sel)
-                    keys = meta["key"][sel]
+                    meta = meta[sel]
                 else:
                     rows = self.shard.read_range(start, start + chunk_rows)
-                    keys = meta["key"]
-            if keys.size:
-                yield keys, rows
+            if meta.size:
+                yield (meta["key"], rows, meta["last_seen"]) if with_last_seen else (meta["key"], rows)
 
     def mark_checkpoint(self) -> None:
         """Starts a new checkpoint generation: later writes form the next delta."""
@@ -389,11 +401,12 @@ class EmbeddingStore:
             return np.zeros(0, dtype=np.uint64), np.zeros((0, self.layout.width), dtype=np.float32)
         return np.concatenate([k for k, _ in parts]), np.concatenate([r for _, r in parts])
 
-    def load_rows(self, keys: np.ndarray, rows: np.ndarray) -> None:
+    def load_rows(self, keys: np.ndarray, rows: np.ndarray, last_seen: np.ndarray | None = None) -> None:
         """Bulk load (a checkpoint's base or delta): upserts straight into the shard.
 
         Loaded rows belong to no delta (they are already in a checkpoint); cached copies of
-        these keys are dropped so that reads see the loaded values.
+        these keys are dropped so that reads see the loaded values. ``last_seen``: each row's
+        TTL pass as saved (default: the current pass).
         """
         keys = _unique_keys(keys)
         rows = np.asarray(rows, dtype=np.float32)
@@ -408,7 +421,8 @@ class EmbeddingStore:
                 pos = self.shard.lookup(keys)
                 new = np.flatnonzero(pos < 0)
                 pos[new] = self.shard.insert(keys[new])
-                self.shard.write_rows(pos, keys, rows, generation=_CLEAN_GENERATION)
+                seen = None if last_seen is None else np.asarray(last_seen, dtype=np.int32)
+                self.shard.write_rows(pos, keys, rows, last_seen=seen, generation=_CLEAN_GENERATION)
 
     # --- bookkeeping -------------------------------------------------------------------
 
