@@ -58,6 +58,10 @@ def which(name: str) -> str | None:
     return shutil.which(name, path=path)
 
 
+class NotRoot(ClusterUnavailable):
+    """slurmd must run as root to start jobs as their users."""
+
+
 def check_prerequisites() -> None:
     """Raise ClusterUnavailable with what is missing and how to get it."""
     missing = [n for n in DAEMONS + CLIENTS if which(n) is None]
@@ -66,7 +70,7 @@ def check_prerequisites() -> None:
             f"Slurm/munge not installed (missing: {' '.join(missing)}); "
             "`make setup` installs them (apt-get install slurm-wlm munge)")
     if os.geteuid() != 0:
-        raise ClusterUnavailable("starting slurmd needs root (it runs jobs as their users)")
+        raise NotRoot("the local Slurm cluster needs root: slurmd starts jobs as their users")
 
 
 def free_port() -> int:

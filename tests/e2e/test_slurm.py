@@ -1,0 +1,205 @@
+"""The sbatch scripts, submitted as users submit them, to a real Slurm cluster on this machine.
+
+The cluster (tests/e2e/slurm_cluster.py, fixture ``slurm_cluster``) is Debian's slurm-wlm 22.05
+with munge, started as root without systemd or cgroups. Jobs are submitted from the checkout
+(the scripts find the code through the submit directory) with RUN_DIR, OUT and --output under
+tmp_path.
+
+Facts checked on this stack (Slurm 22.05.8, OpenMPI 4.1.4, PMIx 4.2.2), each kept by a test:
+- `srun --mpi=pmix` starts mpi4py + Horovod ranks: tests/mpi/test_comm.py passes under it with
+  2 tasks (and 3). Only SLURM_PROCID/PMIX_RANK are set, not OMPI_COMM_WORLD_RANK.
+- `sbatch --wait` follows a requeued job (same id) and returns the exit code of its last run,
+  not the first run's end. It polls at 2, 10 and 42 s, then every 32 s, so it may return up to
+  32 s after the job ended: the longer jobs here are polled (cluster.wait_done, every 0.5 s).
+- A SIGUSR1 to the batch shell (what --signal=B:USR1@N sends, and `scancel --batch
+  --signal=USR1`) reaches the trap once srun runs in the background; forwarding it with
+  `kill -USR1 <srun pid>` reaches every rank (`scancel --signal=USR1 <job>` and `<job>.0` do
+  too). A rank that exits 75 under `python -m mpi4py` becomes MPI_Abort(75): srun still
+  returns 75. A rank that has not yet installed its handler dies of the USR1: srun returns 138.
+- `scontrol requeue` from inside the job ends the batch shell at once ("CANCELLED DUE TO JOB
+  REQUEUE"); the job runs again with the same id and SLURM_RESTART_COUNT=1. It becomes
+  eligible cred_expire + 1 s later (default 120 s) and starts at the next scheduler pass.
+- --signal=B:USR1@N comes early: with --time=2 and @90 it came 0-14 s after each start (Slurm
+  checks limits every 30 s and sends up to 60 s early). Not tested here (timing); the time
+  left after the signal must cover a window and a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MPI_ENV, REPO, VENV_PY
+from tests.e2e.slurm_cluster import exit_code
+
+# Small model and data: a job is seconds of training after ~10 s of start-up on 2 cores.
+# Pinned allreduce algorithm: OpenMPI picks one by message size, and resume must be bit-equal.
+TRAIN_FLAGS = ["--model.hidden=32,16", "--storage.dim=8", "--data.batch_size_per_rank=256",
+               "--storage.rows_per_rank=200000", "--storage.cpu_cache_bytes=3e5", "--merge.every_k_steps=2",
+               "--checkpoint.every_windows=3", "--checkpoint.compact_every=2", "--train.epochs=2",
+               "--metrics.log_every_steps=10"]
+DETERMINISTIC = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1", "OMPI_MCA_coll_tuned_allreduce_algorithm": "4"}
+ROWS, SHARDS = 20000, 4
+
+
+def job_env(cluster, **extra: str) -> dict[str, str]:
+    return cluster.env(**MPI_ENV, **DETERMINISTIC, HVCTR_HOME=str(REPO), **extra)
+
+
+def submit(cluster, script: str, out: Path, *args: str, **env: str) -> int:
+    job = cluster.sbatch([f"--output={out}", str(REPO / "slurm" / script), *args],
+                         env=job_env(cluster, **env), cwd=REPO)
+    return job.job_id
+
+
+def assert_completed(record: dict[str, str], out: Path) -> None:
+    text = out.read_text(errors="replace") if out.exists() else "(no output file)"
+    assert record["JobState"] == "COMPLETED" and exit_code(record) == 0, \
+        f"job {record['JobId']} {record['JobState']} exit {record['ExitCode']}:\n{text[-6000:]}"
+
+
+# --- the stack ----------------------------------------------------------------------------
+
+def test_srun_pmix_runs_the_horovod_comm_tests(slurm_cluster, tmp_path):
+    out = tmp_path / "smoke.out"
+    cmd = (f"srun --mpi=pmix --cpu-bind=none --kill-on-bad-exit=1 {VENV_PY} -m mpi4py "
+           f"-m pytest -q -p no:cacheprovider --color=no tests/mpi/test_comm.py")
+    job = slurm_cluster.sbatch(["-n", "2", f"--output={out}", "--wrap", cmd], env=job_env(slurm_cluster), cwd=REPO)
+    assert_completed(slurm_cluster.wait_done(job.job_id), out)
+    assert out.read_text().count(" passed") == 2, out.read_text()  # one pytest summary per rank
+
+
+def test_sbatch_wait_returns_the_exit_code_of_the_requeued_run(slurm_cluster, tmp_path):
+    out = tmp_path / "requeue.out"
+    script = tmp_path / "requeue.sh"
+    script.write_text("#!/bin/bash\n"
+                      "echo \"start ${SLURM_RESTART_COUNT:-0}\"\n"
+                      "if [ \"${SLURM_RESTART_COUNT:-0}\" = 0 ]; then scontrol requeue \"$SLURM_JOB_ID\"; sleep 60; fi\n"
+                      "exit 3\n")
+    job = slurm_cluster.sbatch(["--open-mode=append", f"--output={out}", str(script)], wait=True,
+                               env=job_env(slurm_cluster))
+    assert job.returncode == 3, out.read_text()
+    record = slurm_cluster.job(job.job_id)
+    assert record["Restarts"] == "1" and record["JobState"] == "FAILED"
+    assert out.read_text().splitlines()[0] == "start 0" and "start 1" in out.read_text()
+
+
+# --- the scripts --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prepared(slurm_cluster, tmp_path_factory):
+    """Raw synthetic Criteo TSV, preprocessed by slurm/prep.sbatch with 2 tasks: (data dir, record)."""
+    root = tmp_path_factory.mktemp("prep")
+    (root / "raw").mkdir()
+    subprocess.run([VENV_PY, "-m", "data_prep", "synth", "--rows", str(ROWS), "--seed", "3",
+                    "--out", str(root / "raw" / "day_0.tsv")], check=True, capture_output=True, timeout=300)
+    out = root / "prep.out"
+    jid = submit(slurm_cluster, "prep.sbatch", out, INPUT=str(root / "raw" / "day_*.tsv"),
+                 OUT=str(root / "shards"), SHARDS=str(SHARDS), VALID_FRACTION="0.1")
+    record = slurm_cluster.wait_done(jid)
+    assert_completed(record, out)
+    return root / "shards", record
+
+
+def test_prep_job_writes_the_shards(prepared):
+    data, _ = prepared
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["state"] == "complete"
+    assert manifest["sessions"][-1]["processes"] == 2  # srun gave data_prep 2 MPI processes
+    assert manifest["totals"]["rows"] == ROWS and manifest["totals"]["bad_lines"] == 0
+    assert manifest["totals"]["valid"]["rows"] == ROWS // 10
+    assert sorted(p.name for p in data.glob("*.h5")) == \
+        [f"{split}-{s:05d}.h5" for split in ("train", "valid") for s in range(SHARDS)]
+
+
+def test_prep_job_without_input_fails_with_a_message(slurm_cluster, tmp_path):
+    out = tmp_path / "prep.out"
+    jid = submit(slurm_cluster, "prep.sbatch", out, INPUT=str(tmp_path / "nothing_*.tsv"), OUT=str(tmp_path / "o"))
+    record = slurm_cluster.wait_done(jid)
+    assert record["JobState"] == "FAILED" and exit_code(record) == 2
+    assert f"no input file matches {tmp_path}/nothing_*.tsv" in out.read_text()
+
+
+@pytest.fixture(scope="module")
+def trained(slurm_cluster, prepared, tmp_path_factory):
+    """slurm/train.sbatch, 2 tasks, never interrupted: (run dir, job record, output file)."""
+    data, _ = prepared
+    root = tmp_path_factory.mktemp("train")
+    out = root / "train.out"
+    jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, CONFIG=str(REPO / "slurm/configs/demo.toml"),
+                 DATA=str(data), RUN_DIR=str(root / "run"))
+    record = slurm_cluster.wait_done(jid)
+    assert_completed(record, out)
+    return root / "run", record, out
+
+
+def test_train_job_fills_its_run_directory(trained):
+    run, record, out = trained
+    jid = record["JobId"]
+    assert record["Restarts"] == "0" and record["NumTasks"] == "2"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval"]["count"] == ROWS // 10 and math.isfinite(summary["eval"]["auc"])
+    assert (run / "config.toml").is_file() and (run / "binding.json").is_file()
+    assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank-00000.log", "rank-00001.log"]
+    assert (run / "metrics.jsonl").stat().st_size > 0
+    assert any((run / "checkpoints").glob("ckpt-*/manifest.json"))
+    job_record = (run / "slurm" / f"job-{jid}.start-0.txt").read_text()
+    assert f"JobId={jid} " in job_record and "NumTasks=2" in job_record
+    assert (run / "slurm" / f"job-{jid}.out").resolve() == out.resolve()
+    events = (run / "slurm" / "events.log").read_text().splitlines()
+    assert len(events) == 1 and events[0].endswith(f"job={jid} start=0 rc=0 usr1=0 action=exit")
+    assert "AUC" in out.read_text()
+
+
+def test_eval_job_reproduces_the_training_evaluation(slurm_cluster, trained, tmp_path):
+    # With the hardware map of this machine type: the per-rank wrapper exports each rank's NIC.
+    run, _, _ = trained
+    out = tmp_path / "eval.out"
+    jid = submit(slurm_cluster, "eval.sbatch", out, RUN_DIR=str(run), HWMAP=str(REPO / "slurm/hwmaps/vm-2cpu.toml"))
+    assert_completed(slurm_cluster.wait_done(jid), out)
+    result = json.loads((run / "eval-valid.json").read_text())
+    expected = json.loads((run / "summary.json").read_text())["eval"]
+    assert result["count"] == expected["count"]
+    assert result["auc"] == pytest.approx(expected["auc"], abs=1e-12)
+    assert result["logloss"] == pytest.approx(expected["logloss"], abs=1e-9)
+    binding = json.loads((run / "binding.json").read_text())
+    assert len(binding) == 2 and all(r["nic_env"] for r in binding), binding
+
+
+def test_preempted_job_checkpoints_requeues_and_ends_with_the_same_model(slurm_cluster, prepared, trained, tmp_path):
+    from tests.e2e.test_train import assert_same_model
+
+    data, _ = prepared
+    reference, _, _ = trained
+    run, out = tmp_path / "run", tmp_path / "train.out"
+    jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, CONFIG=str(REPO / "slurm/configs/demo.toml"),
+                 DATA=str(data), RUN_DIR=str(run))
+    # Signal once training is under way (its second checkpoint is written): what Slurm sends
+    # before the time limit (--signal=B:USR1@120), to the batch shell only.
+    marker = run / "checkpoints" / "ckpt-000001" / "manifest.json"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and time.monotonic() < deadline:
+        assert slurm_cluster.job(jid).get("JobState") in ("PENDING", "RUNNING"), out.read_text()
+        time.sleep(0.05)
+    assert marker.exists(), f"no checkpoint after 300 s:\n{out.read_text()}"
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", str(jid))
+    record = slurm_cluster.wait_done(jid, min_restarts=1)
+    assert_completed(record, out)
+    assert record["Restarts"] == "1"
+    events = (run / "slurm" / "events.log").read_text().splitlines()
+    assert [e.split(" ", 2)[2] for e in events] == [
+        f"job={jid} start=0 rc=75 usr1=1 action=requeue",
+        f"job={jid} start=1 rc=0 usr1=0 action=exit"], events
+    first, second = out.read_text().split(f"job {jid} start 1", 1)
+    assert "got SIGUSR1" in first
+    resumed = re.search(r"resumed from checkpoint \d+ at step (\d+)", second)
+    steps = json.loads((run / "summary.json").read_text())["steps"]
+    assert resumed and 0 < int(resumed.group(1)) < steps, second  # stopped mid-run, resumed there
+    assert (run / "slurm" / f"job-{jid}.start-1.txt").is_file()
+    assert_same_model(reference, run)
