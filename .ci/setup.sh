@@ -10,7 +10,7 @@ VENV=${VENV:-.venv}
 CACHE=${HVCTR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvctr}
 HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
-APT_PACKAGES="openmpi-bin libopenmpi-dev libpmix-dev hwloc numactl hdf5-tools slurm-wlm munge"
+APT_PACKAGES="openmpi-bin libopenmpi-dev libpmix-dev hwloc numactl hdf5-tools slurm-wlm munge shellcheck"
 
 log() { printf '[setup] %s\n' "$*"; }
 
