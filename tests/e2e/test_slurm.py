@@ -19,6 +19,10 @@ Facts checked on this stack (Slurm 22.05.8, OpenMPI 4.1.4, PMIx 4.2.2), each kep
 - `scontrol requeue` from inside the job ends the batch shell at once ("CANCELLED DUE TO JOB
   REQUEUE"); the job runs again with the same id and SLURM_RESTART_COUNT=1. It becomes
   eligible cred_expire + 1 s later (default 120 s) and starts at the next scheduler pass.
+- `scancel <job>` sends SIGTERM to the batch shell too: it dies before it could requeue, and the
+  job ends CANCELLED (hvctr checkpoints on the SIGTERM within KillWait).
+- `--dependency=afterok:<job>` waits for the end of a job that requeued itself (its last run),
+  and `--dependency=singleton` starts a job once the previous one of that name has ended.
 - --signal=B:USR1@N comes early: with --time=2 and @90 it came 0-14 s after each start (Slurm
   checks limits every 30 s and sends up to 60 s early). Not tested here (timing); the time
   left after the signal must cover a window and a checkpoint.
@@ -203,3 +207,23 @@ def test_preempted_job_checkpoints_requeues_and_ends_with_the_same_model(slurm_c
     assert resumed and 0 < int(resumed.group(1)) < steps, second  # stopped mid-run, resumed there
     assert (run / "slurm" / f"job-{jid}.start-1.txt").is_file()
     assert_same_model(reference, run)
+
+
+def test_cancelled_job_is_not_requeued(slurm_cluster, prepared, tmp_path):
+    # scancel sends SIGTERM to every process of the job, the batch shell included: the shell
+    # dies before it could requeue, so a self-requeueing job can still be cancelled for good.
+    data, _ = prepared
+    run, out = tmp_path / "run", tmp_path / "train.out"
+    jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, CONFIG=str(REPO / "slurm/configs/demo.toml"),
+                 DATA=str(data), RUN_DIR=str(run))
+    marker = run / "checkpoints" / "ckpt-000001" / "manifest.json"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and time.monotonic() < deadline:
+        assert slurm_cluster.job(jid).get("JobState") in ("PENDING", "RUNNING"), out.read_text()
+        time.sleep(0.05)
+    slurm_cluster.run("scancel", str(jid))
+    assert slurm_cluster.wait_done(jid)["JobState"] == "CANCELLED"
+    time.sleep(8)  # longer than a requeue takes to start here (cred_expire 5 s + 1 s + a scheduler pass)
+    record = slurm_cluster.job(jid)
+    assert record["JobState"] == "CANCELLED" and record["Restarts"] == "0", record
+    assert not (run / "slurm" / "events.log").exists(), "the batch shell outlived the cancel"
