@@ -137,7 +137,7 @@ class Assembly:
 
 
 def run_job(comm: Comm, job: Job) -> int:
-    t0 = time.monotonic()
+    t0, work_cpu = time.monotonic(), 0.0  # CPU seconds inside units and shards, waits excluded
     tracker = None
     plan, err = None, None
     if comm.rank == 0:
@@ -155,7 +155,9 @@ def run_job(comm: Comm, job: Job) -> int:
     mine = assign_units([plan.units[i] for i in plan.pending], comm.size)[comm.rank]
     progress = Progress(comm, tracker)
     for unit in mine:
+        c = time.process_time()
         rec = process_unit(plan.sources[unit.source], unit, job, plan.session, progress.tick)
+        work_cpu += time.process_time() - c
         comm.post(("unit", rec))
     _end_phase(comm, tracker, progress)
     asm, err = None, None
@@ -169,10 +171,15 @@ def run_job(comm: Comm, job: Job) -> int:
         raise _SharedError(err)
     progress.start_phase("assemble", sum(sum(asm.rows[s][i] for s in SPLITS) for i in asm.todo))
     for batch in _batches([s for s in asm.todo if s % comm.size == comm.rank], SHARD_BATCH):
-        for rec in assemble_shards(job, asm, batch, progress.tick):
+        c = time.process_time()
+        recs = assemble_shards(job, asm, batch, progress.tick)
+        work_cpu += time.process_time() - c
+        for rec in recs:
             comm.post(("shard", rec))
     _end_phase(comm, tracker, progress)
+    cpu = comm.allgather(work_cpu)  # comm: each process's CPU seconds of work, for the record
     if comm.rank == 0:
+        tracker.manifest["sessions"][-1]["work_cpu_s"] = [round(c, 3) for c in cpu]
         tracker.finish(time.monotonic() - t0)
     comm.barrier()
     return 0

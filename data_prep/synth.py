@@ -17,6 +17,10 @@ The hidden model (all of it a function of --seed):
   does not grow with the vocabularies. The scale and bias are set on a calibration sample so
   that the Bayes-optimal AUC is --target-auc (0.80) and the positive rate --positive-rate (0.25).
 - label ~ Bernoulli(sigmoid(logit)); --truth-out gets sigmoid(logit) of every row, one per line.
+- Days (--day D, --drift F): the same fields, values and keys every day, fresh rows, and
+  per-value effects that walk from day to day, e_d = sqrt(1 - F) e_{d-1} + sqrt(F) n_d (n_d
+  hashed from the value and the day; the variance stays 1): a click model that drifts, for
+  day-by-day training. Day 0 is the file without --day.
 
 Streaming: rows are made in chunks of 2^16, each from its own seeded stream, so memory is
 bounded and the output is the same whatever the chunking of the writes.
@@ -74,15 +78,20 @@ class Model:
     pair_index: np.ndarray  # pairs as indices into pair_fields
     scale: float = 1.0
     bias: float = 0.0
+    day: int = 0  # the value effects' day (see _value_effects)
+    drift: float = 0.0  # fraction of each value effect's variance renewed per day
 
 
 @functools.lru_cache(maxsize=4)
-def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25) -> Model:
-    """The hidden model of a seed, scaled and shifted to the target AUC and positive rate
-    (cached: a Model is immutable and costs about a second to calibrate)."""
+def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25,
+                day: int = 0, drift: float = 0.0) -> Model:
+    """The hidden model of a seed (on a day), scaled and shifted to the target AUC and positive
+    rate (cached: a Model is immutable and costs about a second to calibrate)."""
+    if day < 0 or not 0.0 <= drift <= 1.0:
+        raise ValueError(f"--day must be >= 0 and --drift in [0, 1], got {day} and {drift}")
     rng = np.random.default_rng([seed, 0])
     m = Model(
-        seed=seed,
+        seed=seed, day=day, drift=drift,
         vocab=np.maximum(np.array(CRITEO_VOCAB, dtype=np.int64), 10),
         zipf_a=rng.uniform(1.05, 1.4, NUM_CAT), zipf_q=rng.uniform(1.0, 20.0, NUM_CAT),
         cat_missing=np.array(CAT_MISSING), cat_scale=np.exp(rng.uniform(np.log(0.2), np.log(1.0), NUM_CAT)),
@@ -104,8 +113,19 @@ def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25
     return Model(**{**m.__dict__, "scale": scale, "bias": bias})
 
 
-def rng_for(seed: int, chunk: int, stream: int = 1) -> np.random.Generator:
-    return np.random.default_rng([seed, chunk, stream])
+def rng_for(seed: int, chunk: int, stream: int = 1, day: int = 0) -> np.random.Generator:
+    return np.random.default_rng([seed, chunk, stream] + ([day] if day else []))
+
+
+def _value_effects(m: Model, h: np.ndarray) -> np.ndarray:
+    """Per-value effects [n, 26] on day m.day: an AR(1) walk from day 0's, variance 1 each day."""
+    e = _effect_from_hash(h)
+    if m.day == 0 or m.drift == 0.0:
+        return e
+    keep, renew = np.sqrt(1.0 - m.drift), np.sqrt(m.drift)
+    for d in range(1, m.day + 1):
+        e = keep * e + renew * _effect_from_hash(mix64(h ^ (np.uint64(d) * np.uint64(0xD6E8FEB86659FD93))))
+    return e
 
 
 def _effect_from_hash(h: np.ndarray) -> np.ndarray:
@@ -142,7 +162,7 @@ def _draw(m: Model, rng: np.random.Generator, n: int):
     dmiss = rng.random((n, NUM_DENSE)) < m.dense_missing
 
     h = mix64(ids.astype(np.uint64) ^ m.salts)  # missing (-1) hashes like any other value
-    logit = _effect_from_hash(h) @ m.cat_scale
+    logit = _value_effects(m, h) @ m.cat_scale
     zd = (np.log1p(np.maximum(ints, 0)) - m.dense_mu) / m.dense_sigma
     zd[dmiss] = 0.0
     logit += zd @ m.dense_beta + dmiss @ m.dense_missing_effect
@@ -191,7 +211,7 @@ def _calibrate(z: np.ndarray, target_auc: float, rate: float) -> tuple[float, fl
 def sample_chunk(m: Model, chunk: int, n: int):
     """Rows of one chunk: labels (uint8), integers, their missing mask, hex values (uint32),
     categorical missing mask, true probabilities."""
-    rng = rng_for(m.seed, chunk)
+    rng = rng_for(m.seed, chunk, day=m.day)
     ids, ints, dmiss, z = _draw(m, rng, n)
     p = _sigmoid(m.bias + m.scale * z)
     labels = (rng.random(n) < p).astype(np.uint8)
@@ -308,12 +328,12 @@ class Scores:
 
 
 def generate(rows: int, seed: int, out: str, truth_out: str | None = None,
-             target_auc: float = 0.80, positive_rate: float = 0.25) -> dict:
+             target_auc: float = 0.80, positive_rate: float = 0.25, day: int = 0, drift: float = 0.0) -> dict:
     """Writes the TSV (and the truth file); returns the model's and the file's scores."""
     if rows < 1:
         raise ValueError(f"--rows must be >= 1, got {rows}")
     t0 = time.monotonic()
-    model = build_model(seed, target_auc, positive_rate)
+    model = build_model(seed, target_auc, positive_rate, day, drift)
     scores = Scores()
     outs = [(out, out + ".tmp")] + ([(truth_out, truth_out + ".tmp")] if truth_out else [])
     try:
@@ -333,7 +353,7 @@ def generate(rows: int, seed: int, out: str, truth_out: str | None = None,
         os.replace(tmp, final)
     return {"rows": rows, "seed": seed, "seconds": time.monotonic() - t0,
             "model": {"scale": model.scale, "bias": model.bias, "target_auc": target_auc,
-                      "positive_rate": positive_rate}, **scores.result()}
+                      "positive_rate": positive_rate, "day": day, "drift": drift}, **scores.result()}
 
 
 class _closing:
@@ -355,11 +375,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--truth-out", metavar="FILE", help="true click probability of each row, one per line")
     p.add_argument("--target-auc", type=float, default=0.80, help="Bayes-optimal AUC the model is scaled to")
     p.add_argument("--positive-rate", type=float, default=0.25)
+    p.add_argument("--day", type=int, default=0, help="day of a drifting click model (same keys, fresh rows)")
+    p.add_argument("--drift", type=float, default=0.0,
+                   help="fraction of each value effect's variance renewed per day (0: no drift)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        r = generate(args.rows, args.seed, args.out, args.truth_out, args.target_auc, args.positive_rate)
+        r = generate(args.rows, args.seed, args.out, args.truth_out, args.target_auc, args.positive_rate,
+                     args.day, args.drift)
     except ValueError as e:
         print(f"data_prep synth: error: {e}", file=sys.stderr)
         return 2
