@@ -5,26 +5,28 @@ with munge, started as root without systemd or cgroups. Jobs are submitted from 
 (the scripts find the code through the submit directory) with RUN_DIR, OUT and --output under
 tmp_path.
 
-Facts checked on this stack (Slurm 22.05.8, OpenMPI 4.1.4, PMIx 4.2.2), each kept by a test:
-- `srun --mpi=pmix` starts mpi4py + Horovod ranks: tests/mpi/test_comm.py passes under it with
+Facts checked on this stack (Slurm 22.05.8, OpenMPI 4.1.4, PMIx 4.2.2); [test] marks those a
+test below keeps, the others were checked by hand while writing the scripts:
+- [test] `srun --mpi=pmix` starts mpi4py + Horovod ranks: tests/mpi/test_comm.py passes under it with
   2 tasks (and 3). Only SLURM_PROCID/PMIX_RANK are set, not OMPI_COMM_WORLD_RANK.
-- `sbatch --wait` follows a requeued job (same id) and returns the exit code of its last run,
+- [test] `sbatch --wait` follows a requeued job (same id) and returns the exit code of its last run,
   not the first run's end. It polls at 2, 10 and 42 s, then every 32 s, so it may return up to
   32 s after the job ended: the longer jobs here are polled (cluster.wait_done, every 0.5 s).
-- A SIGUSR1 to the batch shell (what --signal=B:USR1@N sends, and `scancel --batch
+- [test] A SIGUSR1 to the batch shell (what --signal=B:USR1@N sends, and `scancel --batch
   --signal=USR1`) reaches the trap once srun runs in the background; forwarding it with
   `kill -USR1 <srun pid>` reaches every rank (`scancel --signal=USR1 <job>` and `<job>.0` do
-  too). A rank that exits 75 under `python -m mpi4py` becomes MPI_Abort(75): srun still
-  returns 75. A rank that has not yet installed its handler dies of the USR1: srun returns 138.
-- `scontrol requeue` from inside the job ends the batch shell at once ("CANCELLED DUE TO JOB
+  too, by hand). A rank that exits 75 under `python -m mpi4py` becomes MPI_Abort(75): srun still
+  returns 75. By hand: a rank that has not yet installed its handler dies of the USR1, and
+  srun returns 138.
+- [test] `scontrol requeue` from inside the job ends the batch shell at once ("CANCELLED DUE TO JOB
   REQUEUE"); the job runs again with the same id and SLURM_RESTART_COUNT=1. It becomes
   eligible cred_expire + 1 s later (default 120 s) and starts at the next scheduler pass.
-- `scancel <job>` sends SIGTERM to the batch shell too: it dies before it could requeue, and the
+- [test] `scancel <job>` sends SIGTERM to the batch shell too: it dies before it could requeue, and the
   job ends CANCELLED (hvctr checkpoints on the SIGTERM within KillWait).
 - `--dependency=afterok:<job>` waits for the end of a job that requeued itself (its last run),
   and `--dependency=singleton` starts a job once the previous one of that name has ended.
 - --signal=B:USR1@N comes early: with --time=2 and @90 it came 0-14 s after each start (Slurm
-  checks limits every 30 s and sends up to 60 s early). Not tested here (timing); the time
+  checks limits every 30 s and sends up to 60 s early). Not tested (timing); the time
   left after the signal must cover a window and a checkpoint.
 """
 
