@@ -7,10 +7,10 @@ tmp_path.
 
 Facts checked on this stack (Slurm 22.05.8, OpenMPI 4.1.4, PMIx 4.2.2); [test] marks those a
 test below keeps, the others were checked by hand while writing the scripts:
-- [test] `srun --mpi=pmix` starts mpi4py + Horovod ranks: tests/mpi/test_comm.py passes under it with
-  2 tasks (and 3). Only SLURM_PROCID/PMIX_RANK are set, not OMPI_COMM_WORLD_RANK.
-- [test] `sbatch --wait` follows a requeued job (same id) and returns the exit code of its last run,
-  not the first run's end. It polls at 2, 10 and 42 s, then every 32 s, so it may return up to
+- [test] `srun --mpi=pmix` starts mpi4py + Horovod ranks: tests/mpi/test_comm.py passes under
+  it with 2 tasks (and 3). Only SLURM_PROCID/PMIX_RANK are set, not OMPI_COMM_WORLD_RANK.
+- [test] `sbatch --wait` follows a requeued job (same id) and returns the exit code of its last
+  run, not the first run's end. It polls at 2, 10 and 42 s, then every 32 s, so it may return up to
   32 s after the job ended: the longer jobs here are polled (cluster.wait_done, every 0.5 s).
 - [test] A SIGUSR1 to the batch shell (what --signal=B:USR1@N sends, and `scancel --batch
   --signal=USR1`) reaches the trap once srun runs in the background; forwarding it with
