@@ -124,7 +124,8 @@ def _value_effects(m: Model, h: np.ndarray) -> np.ndarray:
         return e
     keep, renew = np.sqrt(1.0 - m.drift), np.sqrt(m.drift)
     for d in range(1, m.day + 1):
-        e = keep * e + renew * _effect_from_hash(mix64(h ^ (np.uint64(d) * np.uint64(0xD6E8FEB86659FD93))))
+        salt = np.uint64((d * 0xD6E8FEB86659FD93) & 0xFFFFFFFFFFFFFFFF)  # a distinct salt per day
+        e = keep * e + renew * _effect_from_hash(mix64(h ^ salt))
     return e
 
 
