@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import sys
 
@@ -25,7 +26,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def keep_freed_memory() -> None:
+    """Asks glibc to keep freed memory instead of handing it back to the kernel.
+
+    By default every large numpy temporary is a fresh mmap whose pages fault in again (and a
+    small heap is trimmed back): about a fifth of this job's CPU time on the 2-core machine
+    type. Blocks up to 32 MiB (glibc's cap for this setting) then come from a heap that is not
+    trimmed below 1 GiB. Harmless where glibc is not the allocator: the call is skipped."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD; setting it also ends its dynamic growth
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD (alone it would make things worse)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory()
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.command is None:
