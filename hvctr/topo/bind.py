@@ -29,6 +29,7 @@ import os
 import platform
 import socket
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hvctr.config import MemoryPolicy, TopologyConfig
@@ -270,6 +271,22 @@ def _load(cfg: TopologyConfig) -> HardwareMap | None:
         raise ValueError(f"config key 'topology.hwmap': {e}") from None
 
 
+def check_map_matches_machine(hwmap: HardwareMap, root: str = "/") -> None:
+    """Every NUMA node the map names exists here (ValueError otherwise).
+
+    Binding to a node the kernel does not have fails deep in set_mempolicy (EINVAL); a map
+    for another node type should fail at start, naming the map. Without a sysfs node list
+    (some containers) there is nothing to check against.
+    """
+    here = {int(p.name[4:]) for p in Path(root, "sys/devices/system/node").glob("node[0-9]*")}
+    missing = sorted(set(hwmap.node_ids) - here)
+    if here and missing:
+        raise ValueError(f"config key 'topology.hwmap': {hwmap.path or hwmap.name} names NUMA node(s) "
+                         f"{format_cpulist(missing)}, which this machine ({socket.gethostname()}) does not have "
+                         f"(its nodes: {format_cpulist(sorted(here))}); the map is for another node type: "
+                         f"write one for this node with `hvctr topo --out FILE`")
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -301,6 +318,8 @@ def apply_placement(topology_cfg: TopologyConfig, local_rank: int, local_size: i
     if _rss_bytes() > _RSS_WARN_BYTES:
         notes.append(f"{_rss_bytes() >> 20} MiB resident before placement: those pages keep their node")
     hwmap = _load(topology_cfg)
+    if hwmap is not None and topology_cfg.bind:
+        check_map_matches_machine(hwmap)
     plan = plan_rank(hwmap, local_rank, local_size, allowed, topology_cfg.oversubscribe) if hwmap else None
     notes += plan.notes if plan else ()
     bind = plan is not None and topology_cfg.bind
