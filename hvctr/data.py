@@ -109,7 +109,11 @@ class ShardReader:
     def _open(self, path: str, record: dict) -> h5py.File:
         if not os.path.isfile(path):
             raise ValueError(f"{path}: shard file missing (listed in {self.data_dir}/manifest.json)")
-        f = h5py.File(path, "r")
+        try:
+            f = h5py.File(path, "r")
+        except OSError as e:  # truncated, overwritten, not HDF5: h5py's message may omit the name
+            raise ValueError(f"{path}: cannot open the shard as HDF5 ({e}); the file is damaged or truncated: "
+                             f"run data_prep again for {self.data_dir}") from None
         shapes = {"labels": (record["rows"],), "dense": (record["rows"], NUM_DENSE),
                   "keys": (record["rows"], NUM_FIELDS)}
         for name, shape in shapes.items():
@@ -122,7 +126,10 @@ class ShardReader:
         """Checks every dataset of this rank's shards against the manifest's checksums."""
         for path, f, rec in zip(self.paths, self._files, self.records):
             for name, want in rec["checksums"].items():
-                got = dataset_checksum(f[name])
+                try:
+                    got = dataset_checksum(f[name])
+                except OSError as e:  # a damaged chunk or header: HDF5 cannot read it back
+                    raise ValueError(f"{path}: dataset {name!r} cannot be read ({e}): the file is damaged") from None
                 if got != want:
                     raise ValueError(f"{path}: dataset {name!r} does not match its checksum in "
                                      f"manifest.json ({got} != {want}): the file is corrupt or from another run")
