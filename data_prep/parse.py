@@ -28,6 +28,7 @@ from data_prep.schema import NUM_CAT, NUM_COLS, NUM_DENSE
 PAD = 16  # bytes before and after the data, so 16-byte right-aligned reads never leave the buffer
 _COL8 = np.arange(8, dtype=np.int64)
 _COL16 = np.arange(16, dtype=np.int64)
+_FIELDS = np.arange(NUM_CAT, dtype=np.uint64)
 _M8 = np.uint64(0x00FF00FF00FF00FF)
 _M16 = np.uint64(0x0000FFFF0000FFFF)
 _M32 = np.uint64(0x00000000FFFFFFFF)
@@ -125,7 +126,7 @@ def parse_block(data: bytes, fmt: RowFormat) -> Block:
     keys = _parse_cats(buf, v64, ends[:, 1 + NUM_DENSE:], lengths[:, 1 + NUM_DENSE:])
     with np.errstate(divide="ignore"):
         dense = np.log1p(np.maximum(ivals[:, 1:], 0).astype(np.float64)).astype(np.float32)
-    missing = np.count_nonzero(lengths[:, 1:] == 0, axis=0).astype(np.int64)
+    missing = (lengths[:, 1:] == 0).sum(axis=0, dtype=np.int64)
     return Block(ivals[:, 0].astype(np.float32), dense, keys, rows.astype(np.int64), num_lines, missing, bad)
 
 
@@ -250,15 +251,15 @@ def _parse_cats(buf: np.ndarray, v64: np.ndarray, ends: np.ndarray, lengths: np.
     """Feature keys [n, 26] of the categorical fields (see schema for the rule)."""
     n = ends.shape[0]
     ends, lengths = ends.ravel(), lengths.ravel()
-    field_of = np.tile(np.arange(NUM_CAT, dtype=np.uint64), n)
     values, hexok = _hex_values(v64, ends, lengths)
-    keys = schema.hex_keys(field_of, values)
-    missing = lengths == 0
-    keys[missing] = schema.MISSING_KEYS[field_of[missing].astype(np.int64)]
-    other = np.flatnonzero(~hexok & ~missing)
+    keys = schema.hex_keys(_FIELDS, values.reshape(n, NUM_CAT))  # fields broadcast over rows
+    missing = lengths.reshape(n, NUM_CAT) == 0
+    keys = np.where(missing, schema.MISSING_KEYS, keys)
+    other = np.flatnonzero(~hexok & ~missing.ravel())
     if other.size:
-        keys[other] = _string_keys(buf, ends[other], lengths[other], field_of[other])
-    return keys.reshape(n, NUM_CAT)
+        field_of = (other % NUM_CAT).astype(np.uint64)
+        keys.reshape(-1)[other] = _string_keys(buf, ends[other], lengths[other], field_of)
+    return keys
 
 
 def _hex_values(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
