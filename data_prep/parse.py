@@ -112,7 +112,8 @@ def parse_block(data: bytes, fmt: RowFormat) -> Block:
         ends, starts = ends[:, fmt.cols], starts[:, fmt.cols]
     lengths = ends - starts
 
-    ivals, iok = _parse_ints(v64, ends[:, :1 + NUM_DENSE].ravel(), lengths[:, :1 + NUM_DENSE].ravel())
+    ivals, iok = _parse_ints(v64, ends[:, :1 + NUM_DENSE].ravel(), lengths[:, :1 + NUM_DENSE].ravel(),
+                             dots=b"." in data, signs=b"-" in data)
     ivals = ivals.reshape(-1, 1 + NUM_DENSE)
     iok = iok.reshape(-1, 1 + NUM_DENSE)
     label_ok = iok[:, 0] & ((ivals[:, 0] == 0) | (ivals[:, 0] == 1)) & (lengths[:, 0] > 0)
@@ -167,17 +168,17 @@ def _right_aligned(v64: np.ndarray, ends: np.ndarray, width: int) -> np.ndarray:
     return np.stack([v64[ends - 16], v64[ends - 8]], axis=1).view(np.uint8).reshape(-1, 16)
 
 
-def _parse_ints(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _parse_ints(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray, dots: bool,
+                signs: bool) -> tuple[np.ndarray, np.ndarray]:
     """Values (int64; 0 where empty) and validity of integer fields. At most 16 characters."""
     vals = np.zeros(len(ends), dtype=np.int64)
     ok = lengths <= 16
     short = lengths <= 8
     if short.all():
-        vals, ok = _ints_width(v64, ends, lengths, 8)
-        return vals, ok
+        return _ints_width(v64, ends, lengths, 8, dots, signs)
     for sel, width in ((np.flatnonzero(short), 8), (np.flatnonzero(~short & ok), 16)):
         if sel.size:
-            vals[sel], ok[sel] = _ints_width(v64, ends[sel], lengths[sel], width)
+            vals[sel], ok[sel] = _ints_width(v64, ends[sel], lengths[sel], width, dots, signs)
     return vals, ok
 
 
@@ -187,27 +188,32 @@ def _word(mask: np.ndarray) -> np.ndarray:
 
 
 def _ints_width(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray, width: int,
-                dots: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                dots: bool = True, signs: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """dots / signs: whether the block holds any '.' / '-' at all (else those checks are skipped)."""
     if width == 16:
         return _ints_16(v64, ends, lengths)
     w = v64[ends - 8]
     b = w.view(np.uint8).reshape(-1, 8)
-    inside = _INSIDE[np.minimum(lengths, 8)]  # 0xFF in the bytes that belong to the field
+    m8 = np.minimum(lengths, 8)
+    inside = _INSIDE[m8]  # 0xFF in the bytes that belong to the field
     if dots:
         dot = _word(b == 46) & inside
         if dot.any():  # "17668.0": the zero fraction is cut off, then the integer part is read
-            return _ints_dotted(v64, ends, lengths, b, inside, dot)
+            return _ints_dotted(v64, ends, lengths, b, inside, dot, signs)
     d = b - np.uint8(48)
-    minus = _word(b == 45) & _FIRST[np.minimum(lengths, 8)]
-    bad = _word(d > 9) & inside & ~minus
+    bad = _word(d > 9) & inside
+    digits = _word(d) & inside
+    if not signs:
+        return _swar_dec8(digits).astype(np.int64), bad == 0
+    minus = _word(b == 45) & _FIRST[m8]  # a '-' only as the first byte, and not alone
     neg = minus != 0
-    ok = (bad == 0) & (lengths > neg.astype(np.int64)) | (lengths == 0)
-    vals = _swar_dec8(_word(d) & inside & ~(minus * np.uint64(0xFF))).astype(np.int64)
+    ok = ((bad & ~minus) == 0) & ~(neg & (lengths == 1))
+    vals = _swar_dec8(digits & ~(minus * np.uint64(0xFF))).astype(np.int64)
     return np.where(neg, -vals, vals), ok
 
 
 def _ints_dotted(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray, b: np.ndarray,
-                 inside: np.ndarray, dot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 inside: np.ndarray, dot: np.ndarray, signs: bool) -> tuple[np.ndarray, np.ndarray]:
     has = dot != 0
     lowest = dot & (~dot + np.uint64(1))  # the first dot's byte (a power of two: exact in float64)
     col = np.zeros(len(dot), dtype=np.int64)
@@ -215,7 +221,7 @@ def _ints_dotted(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray, b: np.n
     cut = np.where(has, 8 - col, 0)  # bytes from the dot to the end of the field
     after = inside & _INSIDE[np.maximum(cut - 1, 0)]  # the bytes after the dot
     zeros = (_word(b != 48) & after) == 0
-    vals, ok = _ints_width(v64, ends - cut, lengths - cut, 8, dots=False)
+    vals, ok = _ints_width(v64, ends - cut, lengths - cut, 8, dots=False, signs=signs)
     return vals, ok & (~has | (zeros & (lengths - cut > 0)))
 
 
