@@ -28,6 +28,7 @@ fails then, not in the middle of training. Any h5py or h5dump reads it.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from pathlib import Path
@@ -68,6 +69,36 @@ def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
     while buf.nbytes:
         n = os.pwrite(fd, buf, offset)
         buf, offset = buf[n:], offset + n
+
+
+def check_free_space(directory: str, need: int) -> None:
+    """OSError(ENOSPC) when the file system of ``directory`` has fewer than ``need`` bytes free."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise OSError(errno.ENOSPC, f"no space left on device: {free / 2**20:,.1f} MiB free, "
+                                    f"{need / 2**20:,.1f} MiB needed")
+
+
+def _reserve_and_clear_index(path: str, index_offset: int, num_slots: int) -> None:
+    """Reserves every block of the file (posix_fallocate), then writes the index's empty marker."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+        empty = np.empty(min(num_slots, 1 << 16), dtype=INDEX_DTYPE)
+        empty["key"], empty["row"] = EMPTY_KEY, -1
+        for start in range(0, num_slots, empty.shape[0]):
+            n = min(empty.shape[0], num_slots - start)
+            _pwrite_all(fd, memoryview(empty[:n]).cast("B"), index_offset + start * INDEX_DTYPE.itemsize)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def pwrite_runs(fd: int, base: int, item_bytes: int, pos: np.ndarray, data: np.ndarray,
@@ -138,7 +169,12 @@ class Shard:
         self.path = str(path)
         if not os.path.isfile(self.path):
             raise ValueError(f"shard file {self.path} does not exist")
-        with h5py.File(self.path, "r") as f:
+        try:
+            f = h5py.File(self.path, "r")
+        except OSError as e:  # truncated or overwritten; h5py's message may not name the file
+            raise ValueError(f"shard file {self.path}: cannot open as HDF5 ({e}); the file is damaged or "
+                             f"truncated (a working shard is rebuilt from the checkpoint on --resume)") from None
+        with f:
             a = f.attrs
             if int(a.get("format_version", -1)) != FORMAT_VERSION:
                 raise ValueError(f"shard file {self.path}: format_version {a.get('format_version')!r}, "
@@ -178,7 +214,14 @@ class Shard:
     def create(cls, path: str | Path, *, dim: int, capacity: int, world_size: int, rank: int,
                bucket_owner: np.ndarray, seed: int, init_scale: float,
                max_load_factor: float) -> "Shard":
-        """Writes an empty shard under a temporary name, allocates it fully, renames it."""
+        """Writes an empty shard under a temporary name, allocates it fully, renames it.
+
+        HDF5 writes only the skeleton (attributes, the bucket table, dataset headers: KiBs);
+        posix_fallocate then reserves every block and the index gets its empty marker by
+        pwrite. So a full disk fails here, in a free-space check or in posix_fallocate, as a
+        ValueError naming the file: never inside HDF5 (HDF5 2.0 cannot close a file whose
+        write failed for lack of space and crashes at exit), never later in training.
+        """
         path = str(path)
         layout = RowLayout(dim)
         num_slots = num_slots_for(capacity, max_load_factor)
@@ -186,32 +229,37 @@ class Shard:
         if bucket_owner.shape != (NUM_BUCKETS,):
             raise ValueError(f"bucket table must have {NUM_BUCKETS} entries, got {bucket_owner.shape}")
         tmp = path + ".tmp"
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with h5py.File(tmp, "w", libver="earliest", track_order=False,
-                       alignment_threshold=BLOCK_BYTES, alignment_interval=BLOCK_BYTES) as f:
-            a = f.attrs
-            a["format_version"] = FORMAT_VERSION
-            a["dim"], a["width"], a["capacity"] = dim, layout.width, capacity
-            a["num_slots"], a["slots_per_block"] = num_slots, SLOTS_PER_BLOCK
-            a["world_size"], a["rank"] = world_size, rank
-            a["slot_seed"] = np.uint64(slot_seed_of(seed))
-            a["init_seed"], a["init_scale"], a["max_load_factor"] = seed, init_scale, max_load_factor
-            a["row_columns"] = f"w[{dim}] w1[1] m[{dim + 1}] v[{dim + 1}] step[1]"
-            f.create_dataset("bucket_owner", data=bucket_owner, track_times=False)
-            empty = np.array((EMPTY_KEY, -1), dtype=INDEX_DTYPE)
-            f.create_dataset("index", shape=(num_slots,), dtype=INDEX_DTYPE, dcpl=_early(),
-                             fillvalue=empty, fill_time="alloc", track_times=False)
-            f.create_dataset("rows", shape=(capacity, layout.width), dtype="<f4", dcpl=_early(),
-                             fill_time="never", track_times=False)
-            f.create_dataset("row_meta", shape=(capacity,), dtype=META_DTYPE, dcpl=_early(),
-                             fill_time="never", track_times=False)
-            f.create_dataset("state", data=np.array([(0, 0, 0, 1)], dtype=STATE_DTYPE), dcpl=_early(),
-                             track_times=False)
-        fd = os.open(tmp, os.O_RDWR)
-        try:  # reserve every block now: a full disk fails here, not in a later pwrite
-            os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        need = num_slots * INDEX_DTYPE.itemsize + capacity * (layout.row_bytes + META_DTYPE.itemsize)
+        try:
+            check_free_space(directory, need)
+            with h5py.File(tmp, "w", libver="earliest", track_order=False,
+                           alignment_threshold=BLOCK_BYTES, alignment_interval=BLOCK_BYTES) as f:
+                a = f.attrs
+                a["format_version"] = FORMAT_VERSION
+                a["dim"], a["width"], a["capacity"] = dim, layout.width, capacity
+                a["num_slots"], a["slots_per_block"] = num_slots, SLOTS_PER_BLOCK
+                a["world_size"], a["rank"] = world_size, rank
+                a["slot_seed"] = np.uint64(slot_seed_of(seed))
+                a["init_seed"], a["init_scale"], a["max_load_factor"] = seed, init_scale, max_load_factor
+                a["row_columns"] = f"w[{dim}] w1[1] m[{dim + 1}] v[{dim + 1}] step[1]"
+                f.create_dataset("bucket_owner", data=bucket_owner, track_times=False)
+                index = f.create_dataset("index", shape=(num_slots,), dtype=INDEX_DTYPE, dcpl=_early(),
+                                         fill_time="never", track_times=False)
+                f.create_dataset("rows", shape=(capacity, layout.width), dtype="<f4", dcpl=_early(),
+                                 fill_time="never", track_times=False)
+                f.create_dataset("row_meta", shape=(capacity,), dtype=META_DTYPE, dcpl=_early(),
+                                 fill_time="never", track_times=False)
+                f.create_dataset("state", data=np.array([(0, 0, 0, 1)], dtype=STATE_DTYPE), dcpl=_early(),
+                                 track_times=False)
+                index_offset = index.id.get_offset()
+            _reserve_and_clear_index(tmp, index_offset, num_slots)
+        except OSError as e:
+            _remove_quietly(tmp)
+            raise ValueError(f"cannot create the shard {path} ({need / 2**20:,.1f} MiB for storage.rows_per_rank = "
+                             f"{capacity} rows and their index): {e.strerror or e}; free space there, point "
+                             f"storage.shard_dir at a larger disk or lower storage.rows_per_rank") from None
         os.replace(tmp, path)
         return cls(path)
 
