@@ -115,8 +115,7 @@ def test_random_and_malformed_fields_match_reference():
     for i, why in blk.bad:
         assert why  # every rejection says why
     # blocks without any '-' or '.' take shortcuts: the same answers
-    plain = "\n".join(line for line in text.splitlines() if "-" not in line and "." not in line) + "\n"
-    assert plain.count("\n") > 100
+    plain = text.replace("-", "x").replace(".", "y")
     check_same(parse_block(plain.encode(), RowFormat.tsv()), *ref_parse(plain, RowFormat.tsv()))
 
 
