@@ -7,9 +7,11 @@
 
 A checkpoint is taken at a window boundary, after the merge. Every rank flushes its cache and
 writes the rows it wrote since the previous checkpoint (a delta; every
-``checkpoint.compact_every`` checkpoints all its rows: a new base), its dense state (parameters,
-Adam moments and step: with ``merge.states = params`` the moments differ per rank) and its
-admission counters, under a temporary name, then renames the file. Rank 0 gathers the files'
+``checkpoint.compact_every`` checkpoints all its rows: a new base), each with the TTL pass it
+was last written in, its dense state (parameters, Adam moments and step: with
+``merge.states = params`` the moments differ per rank), its admission counters, the TTL pass
+clock and the bucket table (which rank owns which virtual bucket: ``hvctr reshard`` rewrites
+it), under a temporary name, then renames the file. Rank 0 gathers the files'
 checksums and writes manifest.json last (temporary name, rename): the manifest is the
 completion marker. A directory without a manifest, or whose checksums do not match, is not a
 checkpoint; resume falls back to the newest complete one.
@@ -33,6 +35,7 @@ import h5py
 import numpy as np
 import torch
 
+from hvctr.keys import default_bucket_owner
 from hvctr.log import get_logger
 
 log = get_logger(__name__)
@@ -65,6 +68,51 @@ def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.h5"
 
 
+def checkpoint_path(directory: str | Path, seq: int) -> Path:
+    """The directory of checkpoint ``seq`` under a checkpoint directory."""
+    return Path(directory) / f"{_PREFIX}{seq:06d}"
+
+
+def rank_file_path(directory: str | Path, seq: int, rank: int) -> Path:
+    """Rank ``rank``'s file of checkpoint ``seq``."""
+    return checkpoint_path(directory, seq) / _rank_file(rank)
+
+
+def read_manifests(directory: str | Path) -> list[dict[str, Any]]:
+    """Manifests of the complete checkpoints under ``directory``, newest first."""
+    out = []
+    for path in Path(directory).glob(f"{_PREFIX}*/manifest.json"):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            log.warning(f"ignoring unreadable checkpoint manifest {path}: {e}")
+    return sorted(out, key=lambda m: m["seq"], reverse=True)
+
+
+def locate(path: str | Path) -> tuple[Path, int | None]:
+    """(checkpoint directory, seq or None for the newest) named by a run directory, a
+    checkpoint directory (holding ckpt-NNNNNN/) or one ckpt-NNNNNN directory."""
+    p = Path(path)
+    if p.name.startswith(_PREFIX) and (p / "manifest.json").is_file():
+        return p.parent, _seq_of(p)
+    if any(p.glob(f"{_PREFIX}*/manifest.json")):
+        return p, None
+    if (p / "config.toml").is_file():
+        from hvctr.config import load_config
+
+        return Path(load_config(p / "config.toml").checkpoint.dir or p / "checkpoints"), None
+    raise ValueError(f"{p}: neither a run directory (config.toml), a checkpoint directory (ckpt-*/manifest.json) "
+                     f"nor a complete checkpoint")
+
+
+def read_bucket_owner(directory: str | Path, manifest: dict[str, Any], rank: int = 0) -> np.ndarray:
+    """The bucket table a checkpoint was written under (files before it existed: the default)."""
+    with h5py.File(rank_file_path(directory, manifest["seq"], rank), "r") as f:
+        if "bucket_owner" in f:
+            return f["bucket_owner"][...].astype(np.int32)
+    return default_bucket_owner(manifest["world_size"])
+
+
 def _seq_of(path: Path) -> int:
     return int(path.name[len(_PREFIX):])
 
@@ -73,6 +121,34 @@ def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
     os.replace(tmp, path)
+
+
+class RowWriter:
+    """Appends (keys, rows, last_seen) chunks to a rank file's row datasets."""
+
+    def __init__(self, f: h5py.File, width: int) -> None:
+        self._kds = f.create_dataset("keys", shape=(0,), maxshape=(None,), dtype=np.uint64,
+                                     chunks=(1 << 16,), track_times=False)
+        self._rds = f.create_dataset("rows", shape=(0, width), maxshape=(None, width), dtype=np.float32,
+                                     chunks=(max(1, (1 << 20) // (4 * width)), width), track_times=False)
+        self._sds = f.create_dataset("last_seen", shape=(0,), maxshape=(None,), dtype=np.int32,
+                                     chunks=(1 << 16,), track_times=False)
+        self.rows = 0
+
+    def append(self, keys: np.ndarray, rows: np.ndarray, last_seen: np.ndarray) -> None:
+        n, m = self.rows, self.rows + keys.shape[0]
+        for ds in (self._kds, self._rds, self._sds):
+            ds.resize(m, axis=0)
+        self._kds[n:], self._rds[n:], self._sds[n:] = keys, rows, last_seen
+        self.rows = m
+
+
+def write_rows(f: h5py.File, parts, width: int) -> int:
+    """Writes (keys, rows, last_seen) chunks as a rank file's rows; returns the row count."""
+    w = RowWriter(f, width)
+    for keys, rows, last_seen in parts:
+        w.append(keys, rows, last_seen)
+    return w.rows
 
 
 class CheckpointManager:
@@ -86,13 +162,18 @@ class CheckpointManager:
         if comm.rank == 0:
             self.dir.mkdir(parents=True, exist_ok=True)
         self._last: dict[str, Any] | None = None  # manifest of the newest checkpoint written or loaded
+        self._force_base = False  # set after compaction: dropped rows live on in the old base
+
+    def force_base(self) -> None:
+        """Makes the next checkpoint a base (every rank must call it at the same point)."""
+        self._force_base = True
 
     # --- writing ------------------------------------------------------------------------
 
     def save(self, store, dense: dict[str, torch.Tensor], state: TrainState, extra: dict[str, Any]) -> Path:
         """Writes checkpoint seq+1 (collective: every rank calls it at the same boundary)."""
         seq = 0 if self._last is None else self._last["seq"] + 1
-        is_base = self._last is None or (seq - self._last["base_seq"]) >= self.compact_every
+        is_base = self._last is None or self._force_base or (seq - self._last["base_seq"]) >= self.compact_every
         base_seq = seq if is_base else self._last["base_seq"]
         chain = [seq] if is_base else self._last["chain"] + [seq]
         ckdir = self.dir / f"{_PREFIX}{seq:06d}"
@@ -100,9 +181,10 @@ class CheckpointManager:
         path = ckdir / _rank_file(self.comm.rank)
         # Stream the rows: a base holds the whole shard, far more than memory.
         rows_written = self._write_rank_file(path, seq, "base" if is_base else "delta",
-                                             store.iter_rows(delta_only=not is_base),
-                                             store.layout.width, dense, store.admission_state())
+                                             store.iter_rows(delta_only=not is_base, with_last_seen=True),
+                                             store.layout.width, dense, store)
         store.mark_checkpoint()
+        self._force_base = False
         mine = {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size,
                 "rows": rows_written}
         # comm: allgather of every rank's file record (also the barrier before the manifest)
@@ -119,27 +201,19 @@ class CheckpointManager:
         return ckdir
 
     def _write_rank_file(self, path: Path, seq: int, kind: str, parts, width: int,
-                         dense: dict[str, torch.Tensor], admission: np.ndarray | None) -> int:
+                         dense: dict[str, torch.Tensor], store) -> int:
         tmp = path.with_name(path.name + ".tmp")
-        n = 0
         with h5py.File(tmp, "w", libver=("v110", "v110"), track_order=True) as f:
-            f.attrs.update({"format_version": FORMAT_VERSION, "seq": seq, "kind": kind,
-                            "rank": self.comm.rank, "world_size": self.comm.size})
-            kds = f.create_dataset("keys", shape=(0,), maxshape=(None,), dtype=np.uint64,
-                                   chunks=(1 << 16,), track_times=False)
-            rds = f.create_dataset("rows", shape=(0, width), maxshape=(None, width), dtype=np.float32,
-                                   chunks=(max(1, (1 << 20) // (4 * width)), width), track_times=False)
-            for keys, rows in parts:
-                kds.resize((n + keys.shape[0],))
-                rds.resize((n + keys.shape[0], width))
-                kds[n:] = keys
-                rds[n:] = rows
-                n += keys.shape[0]
+            f.attrs.update({"format_version": FORMAT_VERSION, "seq": seq, "kind": kind, "rank": self.comm.rank,
+                            "world_size": self.comm.size, "pass_index": store.pass_index})
+            n = write_rows(f, parts, width)
             g = f.create_group("dense", track_order=True)
             for name, t in dense.items():
                 g.create_dataset(name, data=t.detach().cpu().numpy(), track_times=False)
+            admission = store.admission_state()
             if admission is not None:
                 f.create_dataset("admission", data=admission, track_times=False)
+            f.create_dataset("bucket_owner", data=store.shard.bucket_owner, track_times=False)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -167,19 +241,14 @@ class CheckpointManager:
 
     def _complete_manifests(self) -> list[dict[str, Any]]:
         """Manifests found on disk, newest first (a directory without one is ignored)."""
-        out = []
-        for path in self.dir.glob(f"{_PREFIX}*/manifest.json"):
-            try:
-                out.append(json.loads(path.read_text()))
-            except (OSError, json.JSONDecodeError) as e:
-                log.warning(f"ignoring unreadable checkpoint manifest {path}: {e}")
-        return sorted(out, key=lambda m: m["seq"], reverse=True)
+        return read_manifests(self.dir)
 
     def _verify_mine(self, manifest: dict[str, Any], by_seq: dict[int, dict[str, Any]]) -> str:
         """'' when this rank's files of the chain exist and match their checksums, else why not."""
         if manifest["world_size"] != self.comm.size:
             return (f"checkpoint {manifest['seq']} was written by {manifest['world_size']} ranks, this run "
-                    f"has {self.comm.size} (resharding is not supported yet)")
+                    f"has {self.comm.size}: reshard it first (hvctr reshard --checkpoint "
+                    f"{checkpoint_path(self.dir, manifest['seq'])} --world-size {self.comm.size} --out DIR)")
         for seq in manifest["chain"]:
             m = by_seq.get(seq)
             if m is None:
@@ -192,9 +261,11 @@ class CheckpointManager:
                 return f"{path} does not match its checksum in the manifest (truncated or corrupted)"
         return ""
 
-    def find_latest(self) -> dict[str, Any] | None:
-        """The newest checkpoint every rank can load (collective), or None."""
+    def find_latest(self, seq: int | None = None) -> dict[str, Any] | None:
+        """The newest checkpoint every rank can load (collective), or None; ``seq``: only that one."""
         manifests = self._complete_manifests() if self.dir.is_dir() else []
+        if seq is not None:
+            manifests = [m for m in manifests if m["seq"] == seq]
         by_seq = {m["seq"]: m for m in manifests}
         # comm: rank 0's candidate list, so every rank tries the same checkpoints in the same order
         candidates = self.comm.broadcast_object([m["seq"] for m in manifests], root=0, name="ckpt.candidates")
@@ -211,19 +282,33 @@ class CheckpointManager:
                 return m
         return None
 
+    def bucket_owner(self, manifest: dict[str, Any]) -> np.ndarray:
+        """The bucket table of a checkpoint: build the store with it before ``load``."""
+        return read_bucket_owner(self.dir, manifest, self.comm.rank)
+
     def load(self, manifest: dict[str, Any], store) -> dict[str, np.ndarray]:
-        """Rebuilds ``store`` (a freshly created shard) from the chain; returns the dense state."""
+        """Rebuilds ``store`` (a freshly created shard) from the chain; returns the dense state.
+
+        Rows come back with the TTL pass they were last written in, and the store gets the
+        checkpoint's pass clock and admission counters.
+        """
         dense: dict[str, np.ndarray] = {}
         admission = None
         for seq in manifest["chain"]:
-            path = self.dir / f"{_PREFIX}{seq:06d}" / _rank_file(self.comm.rank)
+            path = rank_file_path(self.dir, seq, self.comm.rank)
             with h5py.File(path, "r") as f:
                 kds, rds = f["keys"], f["rows"]
+                if rds.shape[1] != store.layout.width:
+                    raise ValueError(f"{path}: rows of width {rds.shape[1]}, this run's rows have "
+                                     f"{store.layout.width} (storage.dim differs)")
+                sds = f["last_seen"] if "last_seen" in f else None
                 for start in range(0, kds.shape[0], _LOAD_CHUNK):
-                    store.load_rows(kds[start:start + _LOAD_CHUNK], rds[start:start + _LOAD_CHUNK])
+                    stop = start + _LOAD_CHUNK
+                    store.load_rows(kds[start:stop], rds[start:stop], None if sds is None else sds[start:stop])
                 if seq == manifest["seq"]:
                     dense = {name: ds[...] for name, ds in f["dense"].items()}
                     admission = f["admission"][...] if "admission" in f else None
+                    store.set_pass_index(int(f.attrs.get("pass_index", store.pass_index)))
         store.load_admission_state(admission)
         store.mark_checkpoint()
         self._last = manifest
