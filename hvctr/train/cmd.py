@@ -32,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file (see slurm/configs/); --section.key=value flags override it")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint of the run directory (starts fresh if none)")
+    p.add_argument("--init-from", metavar="RUN_OR_CHECKPOINT",
+                   help="start from another run's model (a run directory, its checkpoint directory or one "
+                        "ckpt-NNNNNN): a new pass over data.train_dir with the optimiser state, admission "
+                        "counts and TTL clock carried over. With --resume, a checkpoint of this run on the "
+                        "same data wins (a requeued day job)")
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:  # hvctr eval (hvctr/train/eval_cmd.py)
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if comm.rank == 0:
         write_toml(cfg, run_dir / "config.toml")
     log.info(f"hvctr train: {comm.size} ranks on {comm.num_nodes} node(s), run dir {run_dir}, device {device}")
-    trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume)
+    trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume, init_from=args.init_from)
     trainer.install_signal_handlers()
     try:
         summary = trainer.train()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hvctr.checkpoint import CheckpointManager, TrainState
+from hvctr.checkpoint import CheckpointManager, TrainState, checkpoint_path, locate
 from hvctr.config import Config, MergeMode
 from hvctr.keys import default_bucket_owner
 from hvctr.log import get_logger
@@ -44,37 +44,39 @@ STOP, CHECKPOINT = 0, 1  # indices of the control flags carried by the merge
 
 
 class Trainer:
-    def __init__(self, cfg: Config, comm, device: torch.device, run_dir: Path, resume: bool) -> None:
+    def __init__(self, cfg: Config, comm, device: torch.device, run_dir: Path, resume: bool,
+                 init_from: str | None = None) -> None:
         self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
         self.dim = cfg.storage.dim
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
         t = cfg.train
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=t.dense_lr, betas=(t.beta1, t.beta2), eps=t.eps)
         self.data = TrainData(cfg.data, comm)
-        self.store, self.table = self._build_table()
-        self.reducer = self._build_reducer()
         self.ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", comm,
                                       cfg.checkpoint.keep, cfg.checkpoint.compact_every)
+        start = self._find_start(resume, init_from)
+        # The bucket table travels with the checkpoint (hvctr reshard rewrites it); a fresh
+        # model deals the buckets round robin.
+        owner = start[0].bucket_owner(start[1]) if start else default_bucket_owner(comm.size)
+        self.store, self.table = self._build_table(owner)
+        self.reducer = self._build_reducer()
         self.state = TrainState()
+        self.lineage: dict[str, Any] | None = None  # the checkpoint this model was initialised from
         self.meter = Meter(comm.rank, run_dir / "metrics.jsonl", cfg.metrics.log_every_steps,
                            cfg.data.batch_size_per_rank, comm.size)
         self._flags = [0, 0]  # set by signal handlers, carried by the next merge
         self._ws_rows = 0  # rows of the last window's working set
         self._merge_ms = 0.0  # dense merge + sparse push of the last window
         self.preempted = False
-        if resume:
-            self._resume()
-        elif self.ckpt.has_checkpoints():
-            raise ValueError(f"{self.ckpt.dir} already holds checkpoints: pass --resume to continue that run, "
-                             f"or choose a new train.run_dir")
+        if start:
+            self._load(*start)
 
     # --- building ------------------------------------------------------------------------
 
-    def _build_table(self) -> tuple[EmbeddingStore, ShardedTable]:
+    def _build_table(self, owner: np.ndarray) -> tuple[EmbeddingStore, ShardedTable]:
         # Always a fresh working shard: on resume it is rebuilt from the checkpoint's chain.
         shard_dir = Path(self.cfg.storage.shard_dir or self.run_dir / "shards")
         shard_dir.mkdir(parents=True, exist_ok=True)
-        owner = default_bucket_owner(self.comm.size)
         store = EmbeddingStore(self.cfg.storage, shard_path(shard_dir, self.comm.rank), rank=self.comm.rank,
                                world_size=self.comm.size, bucket_owner=owner, create=True)
         return store, ShardedTable(self.comm, store, owner, self.device)
@@ -120,6 +122,8 @@ class Trainer:
             while (window := source.next()) is not None:
                 flags = self._train_window(window)
                 self._advance(window, schedule)
+                if self.state.batch == 0:
+                    self._end_pass()
                 if flags[CHECKPOINT] or (every and self.state.window % every == 0):
                     self.save_checkpoint()
                 if flags[STOP]:
@@ -143,6 +147,18 @@ class Trainer:
         s.epoch = window.epoch
         if s.batch >= schedule.batches_per_epoch:
             s.epoch, s.batch = s.epoch + 1, 0
+
+    def _end_pass(self) -> None:
+        """A pass over the data ended: the TTL clock advances and, with storage.ttl_passes,
+        each rank drops its rows unseen for that many passes. Those rows live on in the
+        current checkpoint base, so the next checkpoint is a new base (on every rank alike)."""
+        with self.meter.phase("io"):
+            self.store.end_pass()
+            dropped = self.store.compact()
+        if self.cfg.storage.ttl_passes:
+            self.ckpt.force_base()
+            log.info(f"pass {self.store.pass_index} done: rank {self.comm.rank} dropped {dropped} rows "
+                     f"unseen for {self.cfg.storage.ttl_passes} passes")
 
     def _train_window(self, w: Window) -> list[int]:
         with self.meter.phase("pull"):
@@ -237,28 +253,75 @@ class Trainer:
     def save_checkpoint(self) -> None:
         with self.meter.phase("io"):
             path = self.ckpt.save(self.store, self._dense_state(), self.state,
-                                  extra={"mode": self.cfg.merge.mode.value})
+                                  extra={"mode": self.cfg.merge.mode.value, "train_dir": self._train_dir(),
+                                         "init_from": self.lineage})
         log.info(f"checkpoint {path.name} written at step {self.state.step}")
 
-    def _resume(self) -> None:
-        manifest = self.ckpt.find_latest()
+    def _train_dir(self) -> str:
+        return str(Path(self.cfg.data.train_dir).resolve())
+
+    def _find_start(self, resume: bool, init_from: str | None) -> tuple[CheckpointManager, dict, str] | None:
+        """(manager, manifest, "resume" | "init") of the checkpoint to start from; None: fresh.
+
+        --resume continues this run from its newest checkpoint. --init-from starts a new pass
+        over data.train_dir from another model (yesterday's run). Both, as a requeued job of a
+        day chain passes them: resume if this run holds a checkpoint written on this data,
+        else init. Collective (find_latest), and every rank takes the same branch.
+        """
+        own = self.ckpt.find_latest() if resume else None
+        if own is not None and (init_from is None or own.get("train_dir") == self._train_dir()):
+            return self.ckpt, own, "resume"
+        if init_from is None:
+            if resume:
+                log.info("resume: no complete checkpoint found; starting fresh")
+            elif self.ckpt.has_checkpoints():
+                raise ValueError(f"{self.ckpt.dir} already holds checkpoints: pass --resume to continue that run, "
+                                 f"or choose a new train.run_dir")
+            return None
+        src_dir, seq = locate(init_from)
+        same = src_dir.resolve() == self.ckpt.dir.resolve()
+        if not same and self.ckpt.has_checkpoints():
+            raise ValueError(f"{self.ckpt.dir} already holds checkpoints of other data than {self._train_dir()}: "
+                             f"choose a new train.run_dir for --init-from {init_from}")
+        src = self.ckpt if same else CheckpointManager(src_dir, self.comm, self.cfg.checkpoint.keep,
+                                                        self.cfg.checkpoint.compact_every)
+        manifest = src.find_latest(seq)
         if manifest is None:
-            log.info("resume: no complete checkpoint found; starting fresh")
-            return
+            raise ValueError(f"--init-from {init_from}: no complete checkpoint in {src_dir}")
+        return src, manifest, "init"
+
+    def _load(self, src: CheckpointManager, manifest: dict[str, Any], how: str) -> None:
+        """Model, optimiser state, admission counts and TTL clock from a checkpoint. "resume"
+        also takes its place in the data; "init" starts a new pass (epoch 0, batch 0), and
+        its first checkpoint is a base unless it shares the source's checkpoint directory."""
         with self.meter.phase("io"):
-            dense = self.ckpt.load(manifest, self.store)
+            dense = src.load(manifest, self.store)
         params = list(self.model.parameters())
         with torch.no_grad():
             for i, p in enumerate(params):
-                p.copy_(torch.from_numpy(dense[f"param.{i:03d}"]))
+                saved = dense.get(f"param.{i:03d}")
+                if saved is None or saved.shape != tuple(p.shape):
+                    raise ValueError(f"checkpoint {checkpoint_path(src.dir, manifest['seq'])}: dense parameter {i} "
+                                     f"has shape {None if saved is None else saved.shape}, this model's "
+                                     f"{tuple(p.shape)} (model.* or storage.dim differ)")
+                p.copy_(torch.from_numpy(saved))
         n = len(params)
         states = [torch.from_numpy(dense[f"{name}.{i:03d}"]) for i in range(n) for name in ("exp_avg", "exp_avg_sq")]
         set_adam_states(self.optimizer, states, ("exp_avg", "exp_avg_sq"))
         for s in self.optimizer.state.values():
             s["step"] = torch.tensor(float(dense["adam_step"][0]), dtype=torch.float32)
-        self.state = TrainState(**manifest["state"])
-        log.info(f"resumed from checkpoint {manifest['seq']} at step {self.state.step} "
-                 f"(epoch {self.state.epoch}, batch {self.state.batch})")
+        where = checkpoint_path(src.dir, manifest["seq"])
+        if how == "resume":
+            self.state = TrainState(**manifest["state"])
+            if self.state.batch >= self.data.batches_per_epoch:  # a resharded position past this size's epoch
+                self.state.epoch, self.state.batch = self.state.epoch + 1, 0
+            self.lineage = manifest.get("init_from")
+            log.info(f"resumed from checkpoint {manifest['seq']} at step {self.state.step} "
+                     f"(epoch {self.state.epoch}, batch {self.state.batch})")
+            return
+        self.lineage = {"checkpoint": str(where.resolve()), "seq": manifest["seq"], "state": manifest["state"]}
+        log.info(f"initialised from {where} (dense Adam step {int(dense['adam_step'][0])}, "
+                 f"TTL pass {self.store.pass_index}): a new pass over {self._train_dir()}")
 
     # --- reporting -----------------------------------------------------------------------
 
