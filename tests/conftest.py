@@ -1,6 +1,9 @@
 import os
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -21,3 +24,27 @@ def mpi_env(**extra: str) -> dict[str, str]:
     env.update(MPI_ENV)
     env.update(extra)
     return env
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size_bytes) -> Path``: a fresh tmpfs of that size (a small disk to fill up).
+
+    Needs root (mount -t tmpfs); skipped with the reason where mounting is not permitted.
+    Unmounted at teardown.
+    """
+    mounted: list[Path] = []
+
+    def mount(size_bytes: int) -> Path:
+        path = tmp_path / f"tmpfs{len(mounted)}"
+        path.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size_bytes)}", "tmpfs", str(path)],
+                           capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs to fill up (needs root and CAP_SYS_ADMIN): {r.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "--lazy", str(path)], capture_output=True, timeout=30)
