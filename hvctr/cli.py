@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args, rest)
     except ValueError as e:  # user errors: bad config, bad input; a message, not a traceback
-        print(f"hvctr {args.command}: error: {e}", file=sys.stderr)
+        if getattr(e, "report", True):  # an error every rank agreed on is printed by rank 0 alone
+            print(f"hvctr {args.command}: error: {e}", file=sys.stderr)
         return 2
 
 

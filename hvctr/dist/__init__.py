@@ -4,8 +4,22 @@ Training-path collectives go through Horovod (it matches them by name, so a coll
 from a helper thread cannot pair with the wrong one); mpi4py is never called from two threads.
 Every call site of a collective carries a ``# comm:`` comment: ``grep -rn '# comm:' hvctr``
 lists every point where ranks wait for each other.
+
+``hvctr.dist.world`` (mpi4py only) serves the checks before Horovod starts; ``Comm`` and
+``init_comm`` load Horovod (and torch) on first use, so a job that fails those checks exits
+before the heavy imports.
 """
 
-from hvctr.dist.comm import Comm, init_comm
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Comm", "init_comm"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from hvctr.dist import comm
+
+        return getattr(comm, name)
+    raise AttributeError(f"module 'hvctr.dist' has no attribute {name!r}")

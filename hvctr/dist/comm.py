@@ -25,6 +25,8 @@ import torch
 
 import horovod.torch as hvd
 
+from hvctr.dist.world import world_rank  # noqa: F401 (callers import it from here too)
+
 
 @dataclass
 class Comm:
@@ -151,13 +153,6 @@ def _encode(obj: Any) -> torch.Tensor:
 
 def _decode(t: torch.Tensor) -> Any:
     return json.loads(bytes(t.numpy().tobytes()).decode()) if t.numel() else None
-
-
-def world_rank() -> int:
-    """This process's MPI rank before Horovod starts (0 outside MPI): for reporting only."""
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
 
 
 def _node_grouping(ranks_per_virtual_node: int) -> list[list[int]]:

@@ -1,0 +1,89 @@
+"""The MPI world before Horovod starts: rank, size, and agreeing on set-up errors.
+
+Light on purpose (mpi4py only, no torch, no Horovod), so that a job with a bad config or
+bad input fails in about a second, before the heavy imports.
+
+A user error found by one rank must stop every rank, be reported once, and never leave a rank
+waiting in a collective. ``agree_on_errors`` gets there without guessing: every rank runs the
+same checks, none of which communicates, then all meet in one allgather of "my error, if
+any". Rank 0 reports each distinct message once, with the ranks that hit it, and every rank
+raises ``AgreedError``; the command line prints it where ``report`` is true.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+
+class AgreedError(ValueError):
+    """The same user error on every rank, decided together; ``report``: print it here."""
+
+    def __init__(self, message: str, report: bool) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI
+
+
+def world_rank() -> int:
+    """This process's MPI rank before Horovod starts (0 outside MPI)."""
+    MPI = _world()
+    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
+
+
+def world_size() -> int:
+    MPI = _world()
+    return MPI.COMM_WORLD.Get_size() if MPI.Is_initialized() else 1
+
+
+def agree_on_errors(error: str | None) -> list[tuple[str, list[int]]]:
+    """Every rank's set-up error gathered on every rank: [(message, ranks that hit it)].
+
+    Collective over COMM_WORLD: every rank must call it, failed or not. Messages travel as
+    JSON bytes (nothing received is unpickled).
+    """
+    MPI = _world()
+    world = MPI.COMM_WORLD
+    payload = np.frombuffer(json.dumps(error).encode(), dtype=np.uint8)
+    lengths = np.zeros(world.Get_size(), dtype=np.int64)
+    # comm: mpi4py allgather of each rank's error length, then of the errors (before Horovod starts)
+    world.Allgather(np.array([payload.size], dtype=np.int64), lengths)
+    data = np.empty(int(lengths.sum()), dtype=np.uint8)
+    world.Allgatherv(payload, [data, lengths])
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    found: dict[str, list[int]] = {}
+    for r in range(lengths.size):
+        msg = json.loads(data[offsets[r]:offsets[r + 1]].tobytes().decode())
+        if msg is not None:
+            found.setdefault(msg, []).append(r)
+    return list(found.items())
+
+
+def raise_agreed(errors: list[tuple[str, list[int]]], size: int) -> None:
+    """Raises AgreedError for the gathered errors (reported by rank 0 only); no-op when none."""
+    if not errors:
+        return
+    lines = []
+    for msg, ranks in errors:
+        who = "every rank" if len(ranks) == size else "rank " + ",".join(map(str, ranks))
+        lines.append(msg if len(errors) == 1 and len(ranks) == size else f"{who}: {msg}")
+    raise AgreedError("\n".join(lines), report=world_rank() == 0)
+
+
+def check_collectively(check, size: int):
+    """Runs ``check()`` on every rank, agrees on its ValueErrors, returns its result.
+
+    ``check`` must not communicate. On any rank's error every rank raises AgreedError.
+    """
+    try:
+        result, error = check(), None
+    except ValueError as e:
+        result, error = None, str(e)
+    raise_agreed(agree_on_errors(error), size)
+    return result
