@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Cluster specifics for hvctr's batch scripts (slurm/*.sbatch source this file at job start).
 # Edit it for your site, or copy it to slurm/env/<site>.sh and submit with HVCTR_ENV=<site>.
 # Every setting is a default: a variable already set in the submitting shell wins (sbatch
