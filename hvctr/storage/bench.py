@@ -282,8 +282,9 @@ def _markdown(r: dict, argv: list[str]) -> str:
     cmd = "python -m hvctr.storage.bench " + " ".join(argv)
     lines = [SECTION, "",
              f"Machine: {os.cpu_count()} cores, no GPU, {platform.machine()}, Python {platform.python_version()}; "
-             f"one run, {time.strftime('%Y-%m-%d')}. Command: `{cmd}`. Speeds are ratios of methods "
-             "timed side by side, medians over the repeats.", ""]
+             f"one run, {time.strftime('%Y-%m-%d')}, load average {os.getloadavg()[0]:.1f} at its end (other "
+             f"jobs share the cores). Command: `{cmd}`. Speeds are ratios of methods timed side by side, "
+             "medians over the repeats.", ""]
     s = r.get("shard")
     if s:
         lines += [f"**Shard row reads** ({s['batch']} random rows of {DIM}-dim rows (208 B), sorted, from a "
@@ -296,7 +297,8 @@ def _markdown(r: dict, argv: list[str]) -> str:
             lines.append(f"| {m} | {c:,} | {w:,} | {c / s['cold']['raw_memmap']:.2f}x | "
                          f"{w / s['warm']['raw_memmap']:.2f}x | {w / s['warm']['raw_pread']:.2f}x |")
         lines += ["", "shard_read_rows reads by row position (the store's read after its index lookup); "
-                  "shard_lookup_and_read adds the key index probe (one more 4 KiB page per key when cold).", ""]
+                  "shard_lookup_and_read adds the key index probe (one more 4 KiB page per key when cold); "
+                  "raw_memmap is np.memmap over the rows dataset's offset, raw_pread one os.pread per row.", ""]
     if r.get("cache"):
         lines += ["**Cache lookups** (all hits, random keys of 500,000 cached rows): hash lookup + row gather "
                   "against a plain numpy gather of the same rows from a dense in-RAM array (target >= 0.3x):", "",
