@@ -68,11 +68,25 @@ def _worker(mode: str, kernel: str, rank: int, hwmap_path: str, mib: int, iters:
     Path(sync, f"ready{rank}").touch()
     while not Path(sync, "go").exists():  # both workers start the timed part together
         time.sleep(0.0005)
+    m0 = _migrations()
     t0 = time.monotonic()  # CLOCK_MONOTONIC: comparable across the two processes
     for _ in range(iters):
         work()
     t1 = time.monotonic()
-    print(json.dumps({"start": t0, "end": t1, "bytes": iters * nbytes, "cpus": sorted(os.sched_getaffinity(0))}))
+    print(json.dumps({"start": t0, "end": t1, "bytes": iters * nbytes, "cpus": sorted(os.sched_getaffinity(0)),
+                      "migrations": _migrations() - m0}))
+
+
+def _migrations() -> int:
+    """How often the scheduler moved this process to another cpu (each move leaves L1/L2 behind)."""
+    try:
+        text = Path("/proc/self/sched").read_text()
+    except OSError:
+        return -1
+    for line in text.splitlines():
+        if line.startswith("se.nr_migrations"):
+            return int(line.split(":")[1])
+    return -1
 
 
 def _pair(mode: str, kernel: str, hwmap: str, mib: int, iters: int) -> dict:
@@ -89,7 +103,7 @@ def _pair(mode: str, kernel: str, hwmap: str, mib: int, iters: int) -> dict:
         results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
     span = max(r["end"] for r in results) - min(r["start"] for r in results)
     return {"mode": mode, "kernel": kernel, "gbs": sum(r["bytes"] for r in results) / span / 1e9,
-            "cpus": [r["cpus"] for r in results]}
+            "migrations_per_s": sum(r["migrations"] for r in results) / span, "cpus": [r["cpus"] for r in results]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,12 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args(argv)
     runs: dict[tuple[str, str], list[float]] = {}
+    moves: dict[str, list[float]] = {}
+    load0 = os.getloadavg()[0]  # other processes on the machine skew every mode; say how busy it was
     for rnd in range(args.rounds):
         for kernel in ("gather", "triad"):
             for mode in MODES[rnd % 3:] + MODES[: rnd % 3]:  # rotate the order: no mode always runs first
                 r = _pair(mode, kernel, args.map, args.mib, args.iters)
                 runs.setdefault((kernel, mode), []).append(r["gbs"])
+                moves.setdefault(mode, []).append(r["migrations_per_s"])
                 print(json.dumps({"round": rnd, **r}), flush=True)
+    print(f"load average (1 min) at start {load0:.2f}, at end {os.getloadavg()[0]:.2f}; {os.cpu_count()} cpus")
+    print("cpu migrations per second, both workers: " + ", ".join(
+        f"{m} median {statistics.median(v):.1f}" for m, v in moves.items()))
     for kernel in ("gather", "triad"):
         base = runs[(kernel, "unpinned")]
         for mode in ("pinned", "packed"):
