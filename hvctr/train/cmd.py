@@ -2,9 +2,10 @@
 
     mpirun -np 2 --bind-to none python -m mpi4py -m hvctr train --config run.toml --merge.every_k_steps=8
 
-Set-up order matters: config (identical on every rank, so a bad one fails everywhere before
-any collective), Horovod, placement (affinity, memory policy, threads: before CUDA and before
-any large allocation), then the trainer. Exit codes: 0 done, 2 bad config or input,
+Set-up order matters: the preflight (config and inputs checked on every rank, errors agreed
+and reported once, before Horovod and before torch is imported: hvctr.train.preflight),
+Horovod, placement (affinity, memory policy, threads: before CUDA and before any large
+allocation), then the trainer. Exit codes: 0 done, 2 bad config or input,
 75 (EX_TEMPFAIL) stopped by a signal after a checkpoint: the batch script requeues the job.
 """
 
@@ -16,12 +17,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from hvctr.config import Config, load_config, write_toml
-from hvctr.dist import init_comm
-from hvctr.dist.comm import world_rank
+from hvctr.config import Config, write_toml
 from hvctr.log import get_logger, setup_logging
+from hvctr.train.preflight import preflight
+from hvctr.train.stop import StopRequest
 
 log = get_logger(__name__)
 
@@ -44,17 +43,12 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:  # hvctr eval (hvctr
     p.add_argument("--split", default="valid", choices=("valid", "train"))
 
 
-def _load(path: str | None, overrides: list[str]) -> Config:
-    try:
-        return load_config(path, overrides)
-    except ValueError:
-        if world_rank() != 0:  # every rank has the same config: one report is enough
-            raise SystemExit(2) from None
-        raise
-
-
 def _start(cfg: Config, run_dir: Path):
     """Horovod, logging, placement, determinism. Returns (comm, device)."""
+    import torch  # here, not at the top: a job that fails its preflight never pays for torch
+
+    from hvctr.dist import init_comm
+
     comm = init_comm(cfg.topology.ranks_per_virtual_node)
     if comm.rank == 0:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -78,6 +72,8 @@ def _start(cfg: Config, run_dir: Path):
 
 
 def _device(cfg: Config, planned: str) -> str:
+    import torch
+
     want = cfg.train.device.value
     if want == "cpu":
         return "cpu"
@@ -87,7 +83,8 @@ def _device(cfg: Config, planned: str) -> str:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    cfg = _load(args.config, overrides)
+    stop = StopRequest().install()  # before the seconds of set-up: a preemption signal must not kill us
+    cfg = preflight(args.config, overrides, resume=args.resume, init_from=args.init_from)
     run_dir = Path(cfg.train.run_dir)
     comm, device = _start(cfg, run_dir)
     from hvctr.train.trainer import Trainer
@@ -95,8 +92,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if comm.rank == 0:
         write_toml(cfg, run_dir / "config.toml")
     log.info(f"hvctr train: {comm.size} ranks on {comm.num_nodes} node(s), run dir {run_dir}, device {device}")
-    trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume, init_from=args.init_from)
-    trainer.install_signal_handlers()
+    trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume, init_from=args.init_from, stop=stop)
     try:
         summary = trainer.train()
         if not trainer.preempted:
@@ -116,7 +112,7 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.toml").is_file():
         raise ValueError(f"{run_dir} is not a run directory: {run_dir / 'config.toml'} is missing")
-    cfg = _load(str(run_dir / "config.toml"), overrides)
+    cfg = preflight(str(run_dir / "config.toml"), overrides, resume=True, eval_only=True, run_dir=run_dir)
     comm, device = _start(cfg, run_dir)
     from hvctr.train.trainer import Trainer
 

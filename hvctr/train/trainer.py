@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from hvctr.checkpoint import CheckpointManager, TrainState, checkpoint_path, locate
 from hvctr.config import Config, MergeMode
+from hvctr.dist.world import AgreedError
 from hvctr.keys import default_bucket_owner
 from hvctr.log import get_logger
 from hvctr.metrics import EvalAccumulator
@@ -36,6 +37,7 @@ from hvctr.train.feed import TrainData
 from hvctr.train.merger import KStepMerger, SyncGradients
 from hvctr.train.meter import Meter
 from hvctr.train.prefetch import Schedule, WindowSource
+from hvctr.train.stop import StopRequest
 from hvctr.train.window import Window
 
 log = get_logger(__name__)
@@ -45,7 +47,7 @@ STOP, CHECKPOINT = 0, 1  # indices of the control flags carried by the merge
 
 class Trainer:
     def __init__(self, cfg: Config, comm, device: torch.device, run_dir: Path, resume: bool,
-                 init_from: str | None = None) -> None:
+                 init_from: str | None = None, stop: StopRequest | None = None) -> None:
         self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
         self.dim = cfg.storage.dim
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
@@ -64,12 +66,13 @@ class Trainer:
         self.lineage: dict[str, Any] | None = None  # the checkpoint this model was initialised from
         self.meter = Meter(comm.rank, run_dir / "metrics.jsonl", cfg.metrics.log_every_steps,
                            cfg.data.batch_size_per_rank, comm.size)
-        self._flags = [0, 0]  # set by signal handlers, carried by the next merge
+        self.stop = stop or StopRequest()  # carried by the next merge as [stop, checkpoint] flags
         self._ws_rows = 0  # rows of the last window's working set
         self._merge_ms = 0.0  # dense merge + sparse push of the last window
         self.preempted = False
         if start:
             self._load(*start)
+        self._samples_at_start = self.state.samples
 
     # --- building ------------------------------------------------------------------------
 
@@ -93,18 +96,6 @@ class Trainer:
         return Schedule(batches_per_epoch=self.data.batches_per_epoch, epochs=self.cfg.train.epochs,
                         every_k_steps=k, max_working_set_rows=self.cfg.storage.max_working_set_rows,
                         max_steps=self.cfg.train.max_steps)
-
-    # --- signals: a request is raised locally, agreed at the next merge --------------------
-
-    def install_signal_handlers(self) -> None:
-        def on_stop(signum: int, _frame: Any) -> None:
-            self._flags[STOP] = 1
-            self._flags[CHECKPOINT] = 1
-            log.warning(f"rank {self.comm.rank}: got {signal.Signals(signum).name}: checkpoint and stop "
-                        f"at the next window boundary")
-
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, on_stop)
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -172,10 +163,13 @@ class Trainer:
         with self.meter.phase("merge"):
             t0 = time.perf_counter()
             moments = self._moments()
-            flags = self.reducer.merge(moments, self._flags, name=f"window{w.index}.merge")
+            flags = self.reducer.merge(moments, self._flags(), name=f"window{w.index}.merge")
             self.table.push(w.unique_keys, rows, name=f"window{w.index}.push")
             self._merge_ms = 1e3 * (time.perf_counter() - t0)
         return flags
+
+    def _flags(self) -> list[int]:
+        return [self.stop.requested, self.stop.requested]  # a stop always checkpoints first
 
     def _moments(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         m_v = get_adam_states(self.optimizer, ("exp_avg", "exp_avg_sq"))
@@ -207,7 +201,7 @@ class Trainer:
             idx, g = sum_rows_grad(pos, grad)
         with self.meter.phase("merge"):
             t0 = time.perf_counter()
-            flags = self.reducer.average(self._flags, name=f"window{w.index}.grads")
+            flags = self.reducer.average(self._flags(), name=f"window{w.index}.grads")
             apply = functools.partial(apply_adam_to_rows, lr=t.sparse_lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps)
             self.table.push_gradients(w.unique_keys[idx.cpu().numpy()], g, apply, name=f"window{w.index}.sgrads")
             self._merge_ms = 1e3 * (time.perf_counter() - t0)
@@ -270,8 +264,12 @@ class Trainer:
         """
         own = self.ckpt.find_latest() if resume else None
         if own is not None and (init_from is None or own.get("train_dir") == self._train_dir()):
+            self.ckpt.set_aside_newer(own)
             return self.ckpt, own, "resume"
         if init_from is None:
+            if resume and self.ckpt.has_checkpoints():  # never start over on top of checkpoints
+                raise AgreedError(f"--resume: no checkpoint in {self.ckpt.dir} can be loaded (see the warnings "
+                                  f"above); move that directory away to start afresh", report=self.comm.rank == 0)
             if resume:
                 log.info("resume: no complete checkpoint found; starting fresh")
             elif self.ckpt.has_checkpoints():
@@ -337,7 +335,8 @@ class Trainer:
         samples = max(self.state.samples, 1)
         return {
             "steps": self.state.step, "samples": self.state.samples, "seconds": round(elapsed, 3),
-            "samples_per_s": round(self.state.samples / max(elapsed, 1e-9), 1),
+            # this process's share of the run: a resumed run counts only what it trained itself
+            "samples_per_s": round((self.state.samples - self._samples_at_start) / max(elapsed, 1e-9), 1),
             "time_split_s": {k: round(v, 3) for k, v in self.meter.seconds.items()},
             "prefetch_read_s": round(prefetch_read_s, 3),
             "dense_merge_bytes": self.reducer.bytes_sent, "dense_merge_calls": self.reducer.calls,

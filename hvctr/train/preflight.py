@@ -1,0 +1,93 @@
+"""Checks of a job's inputs, on every rank, before Horovod starts and before any collective.
+
+A bad input must stop the job before training, be reported once, and leave no rank waiting:
+
+    cfg = preflight(args.config, overrides, resume=args.resume)   # raises AgreedError
+
+Every rank runs the same checks (none of them communicates), then the ranks meet once to
+agree on the errors (hvctr.dist.world): rank 0 prints each distinct message once, naming the
+ranks that hit it, and every rank exits with status 2. What is checked here:
+
+- the configuration (unknown keys, wrong types, values out of range: hvctr.config);
+- the world size against the config (virtual nodes must divide it);
+- the hardware map: every NUMA node it names exists on this machine (when binding);
+- the data: the manifest, this rank's train and validation shard files (present, HDF5, of
+  the shapes the manifest records), at least one full batch on this rank;
+- the checkpoint directory (without --init-from): a fresh run finds none there; a resumed run
+  finds its newest checkpoint written by as many ranks as it has (resharding is a step of
+  its own).
+
+Reading every data shard against its checksums costs a full pass over the data: the trainer
+does that once Horovod is up (an error there is one rank's, and that rank reports it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hvctr.config import Config, load_config
+from hvctr.dist.world import check_collectively, world_rank, world_size
+
+
+def preflight(config_path: str | None, overrides: list[str], resume: bool, init_from: str | None = None,
+              eval_only: bool = False, run_dir: str | Path | None = None) -> Config:
+    """The job's config once every rank agrees its inputs are usable; AgreedError otherwise.
+
+    ``eval_only``: no training data needed; ``run_dir``: where the checkpoints are when it is
+    not the config's train.run_dir (hvctr eval of a moved run directory).
+    """
+    rank, size = world_rank(), world_size()
+    return check_collectively(lambda: check_inputs(load_config(config_path, overrides), rank, size, resume,
+                                                   init_from, eval_only, run_dir), size)
+
+
+def check_inputs(cfg: Config, rank: int, size: int, resume: bool, init_from: str | None = None,
+                 eval_only: bool = False, run_dir: str | Path | None = None) -> Config:
+    """ValueError for the first input this rank cannot use; no communication."""
+    per_node = cfg.topology.ranks_per_virtual_node
+    if per_node and size % per_node:
+        raise ValueError(f"config key 'topology.ranks_per_virtual_node': {per_node} does not divide "
+                         f"the world size {size}")
+    if cfg.topology.hwmap not in ("", "auto") and cfg.topology.bind:
+        from hvctr.topo.bind import check_map_matches_machine
+        from hvctr.topo.hwmap import load_map
+
+        try:
+            hwmap = load_map(cfg.topology.hwmap)
+        except ValueError as e:
+            raise ValueError(f"config key 'topology.hwmap': {e}") from None
+        check_map_matches_machine(hwmap)
+    _check_data(cfg, rank, size, eval_only)
+    if init_from is None:  # --init-from chooses between two checkpoint directories: the trainer decides
+        _check_checkpoints(cfg, Path(run_dir or cfg.train.run_dir), size, resume)
+    return cfg
+
+
+def _check_data(cfg: Config, rank: int, size: int, eval_only: bool) -> None:
+    from hvctr.data import ShardReader
+
+    d = cfg.data
+    if not d.train_dir:
+        raise ValueError("config key 'data.train_dir' is empty: point it at a data_prep output directory")
+    if not eval_only:
+        with ShardReader(d.train_dir, "train", rank, size, d.batch_size_per_rank) as reader:
+            if reader.num_batches == 0:
+                raise ValueError(f"{d.train_dir}: rank {rank}'s train shards hold {reader.rows} rows, fewer than "
+                                 f"one batch (data.batch_size_per_rank = {d.batch_size_per_rank}); lower it or add data")
+    # Evaluation comes at the end of training: a missing validation shard must not wait for it.
+    with ShardReader(d.valid_dir or d.train_dir, "valid", rank, size, d.batch_size_per_rank):
+        pass
+
+
+def _check_checkpoints(cfg: Config, run_dir: Path, size: int, resume: bool) -> None:
+    from hvctr.checkpoint import read_manifests
+
+    directory = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    manifests = read_manifests(directory) if directory.is_dir() else []
+    if manifests and not resume:
+        raise ValueError(f"{directory} already holds checkpoints: pass --resume to continue that run, "
+                         f"or choose a new train.run_dir")
+    if manifests and manifests[0]["world_size"] != size:
+        m = manifests[0]
+        raise ValueError(f"{directory}: checkpoint {m['seq']} was written by {m['world_size']} ranks, this run has "
+                         f"{size}: resume with {m['world_size']} ranks, or reshard the checkpoint to {size} first")
