@@ -1,14 +1,15 @@
-"""The sparse path's hot loops in C: lazy Adam over rows in place, and the per-row gradient sum.
+"""The sparse path's hot loops in C: lazy Adam on rows in place, the batch's unique positions,
+the gather of its rows and the sum of its gradients per row.
 
-Why C: in torch, one Adam step on ~60k rows of a working set is a gather of the rows, a dozen
-elementwise ops on strided column views and a scatter back (about 20 ms on one core); the
-same step as one pass over each row is about 1 ms, which is what keeps the sparse path small
-beside the MLP's ~76 ms. The kernels are plain C called through ctypes (which releases the
-GIL), compiled with the system C compiler in about a second on first use and cached by a hash
-of the source and flags; no torch headers, no Python extension build. Without a compiler
-``lib()`` is None and callers use the torch reference path.
+Why C: in torch, lazy Adam on the ~24k rows a batch of 4096 x 26 touches is a gather of the
+rows, a dozen elementwise ops on strided column views and a scatter back (about 5 ms on one
+core, measured by ``python -m hvctr.optim.bench``); one pass per row, prefetching rows ahead,
+takes about 1.2 ms, and the whole sparse path about 5% of the MLP step. The kernels are plain
+C called through ctypes (which releases the GIL), compiled with the system C compiler in about
+a second on first use and cached by a hash of the source and flags: no torch headers, no Python
+extension build. Without a compiler ``lib()`` is None and callers use the torch path.
 
-Both kernels walk their inputs in order, so their results do not depend on thread timing.
+Every kernel walks its inputs in order on one thread: results do not depend on timing.
 """
 
 from __future__ import annotations
@@ -82,6 +83,26 @@ void hv_sum_rows(const int64_t *inverse, int64_t n, const float *grad, int64_t c
     }
 }
 
+/* Sorted distinct values of pos[0:n] (each in [0, bound)) into uniq, their count returned, and
+   inverse[i] = the index of pos[i] in uniq: torch.unique(sorted=True, return_inverse=True) in
+   O(n + bound / 64) instead of a sort. bits: (bound + 63) / 64 zeroed words; slot: int32
+   scratch of bound entries, any contents (only the entries of present values are read). */
+int64_t hv_batch_unique(const int64_t *pos, int64_t n, int64_t bound, uint64_t *bits, int32_t *slot,
+                        int64_t *uniq, int64_t *inverse)
+{
+    for (int64_t i = 0; i < n; ++i) bits[pos[i] >> 6] |= (uint64_t)1 << (pos[i] & 63);
+    int64_t k = 0;
+    for (int64_t w = 0; w < (bound + 63) / 64; ++w) {
+        for (uint64_t word = bits[w]; word; word &= word - 1) {
+            const int64_t p = w * 64 + __builtin_ctzll(word);
+            slot[p] = (int32_t)k;
+            uniq[k++] = p;
+        }
+    }
+    for (int64_t i = 0; i < n; ++i) inverse[i] = slot[pos[i]];
+    return k;
+}
+
 /* out[i] = rows[pos[i], 0:c] for i < n. */
 void hv_gather_rows(const float *rows, int64_t width, const int64_t *pos, int64_t n, int64_t c, float *out)
 {
@@ -127,6 +148,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hv_sparse_adam.argtypes = [ptr, i64, ptr, i64, ptr, i64, f64, f64, f64, f32]
     lib.hv_sum_rows.argtypes = [ptr, i64, ptr, i64, ptr]
     lib.hv_gather_rows.argtypes = [ptr, i64, ptr, i64, i64, ptr]
+    lib.hv_batch_unique.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr]
+    lib.hv_batch_unique.restype = i64
     for f in (lib.hv_sparse_adam, lib.hv_sum_rows, lib.hv_gather_rows):
         f.restype = None
 

@@ -4,10 +4,10 @@
 
 One window of ``--window`` batches of 4096 samples x 26 fields, keys drawn per field from a
 power law (Zipf, exponent 1.1) over Criteo Kaggle's field cardinalities; the working set is
-the window's unique keys. Per batch it times: batch_unique (the trainer can do it ahead, with the window),
-gather_rows, sum_rows_grad and sparse_adam_step, with the C kernels and with the torch
-reference path, and the DNN step (forward, backward, Adam) on the gathered batch. Each figure
-is the median over ``--repeats`` interleaved rounds; one JSON line per measurement.
+the window's unique keys. Per batch it times batch_unique, gather_rows, sum_rows_grad and
+sparse_adam_step, with the C kernels and with the torch reference path, and the DNN step
+(forward, backward, Adam) on the gathered batch. Each figure is the median over ``--repeats``
+interleaved rounds; one JSON line per measurement.
 """
 
 from __future__ import annotations

@@ -196,3 +196,18 @@ def test_sparse_path_bench_runs_and_reports_both_paths(capsys):
     assert all(x["total_ms"] > 0 and x["mlp_step_ms"] > 0 for x in lines[1:])
     setup = lines[0]
     assert setup["unique_rows_per_sample_window"] <= setup["unique_rows_per_sample_batch"] <= 26
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_batch_unique_equals_torch_unique(path):
+    g = torch.Generator().manual_seed(6)
+    cases = [torch.randint(0, 1000, (64, 26), generator=g), torch.randint(0, 100_000, (4096, 3), generator=g),
+             torch.tensor([[5, 5], [5, 5]]), torch.tensor([[0, 63, 64, 127, 128]]), torch.zeros(0, 26, dtype=torch.long)]
+    with _path(path):
+        for pos in cases:
+            uniq, inverse = batch_unique(pos)
+            ref_u, ref_i = torch.unique(pos, sorted=True, return_inverse=True)
+            assert torch.equal(uniq, ref_u) and torch.equal(inverse, ref_i) and inverse.shape == pos.shape
+        if path == "native":
+            with pytest.raises(IndexError):
+                batch_unique(torch.tensor([[1, -2]]))
