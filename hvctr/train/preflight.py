@@ -90,4 +90,5 @@ def _check_checkpoints(cfg: Config, run_dir: Path, size: int, resume: bool) -> N
     if manifests and manifests[0]["world_size"] != size:
         m = manifests[0]
         raise ValueError(f"{directory}: checkpoint {m['seq']} was written by {m['world_size']} ranks, this run has "
-                         f"{size}: resume with {m['world_size']} ranks, or reshard the checkpoint to {size} first")
+                         f"{size}: resume with {m['world_size']} ranks, or reshard the checkpoint to {size} first "
+                         f"(hvctr reshard --checkpoint {directory} --world-size {size} --out NEW_RUN_DIR/checkpoints)")
