@@ -132,9 +132,10 @@ def gather_rows(rows: Tensor, pos: Tensor, dim: int) -> Tensor:
     """
     c = dim + 1
     pos = pos.long().contiguous()
-    if _native_ok(rows, pos):
+    if rows.dtype == torch.float32 and _native_ok(rows, pos):
         _check_index(pos, rows.shape[0], "gather_rows")
-        out = torch.empty(*pos.shape, c, dtype=rows.dtype)
+        # numpy's empty: torch.empty is NaN-filled under torch.use_deterministic_algorithms
+        out = torch.from_numpy(np.empty((*pos.shape, c), dtype=np.float32))
         _native.lib().hv_gather_rows(rows.data_ptr(), rows.shape[1], pos.data_ptr(), pos.numel(), c, out.data_ptr())
     else:
         out = F.embedding(pos, rows[:, :c])
