@@ -325,5 +325,7 @@ def _int_reasons(raw: bytes, starts: np.ndarray, ends: np.ndarray, rows: np.ndar
             col = 1 + int(np.argmin(iok[k, 1:]))
             what = "not an integer"
         text = raw[starts[k, col]:ends[k, col]].decode("ascii", "replace")
+        if len(text) > 16:
+            what = "longer than 16 characters"
         out.append((int(rows[k]), f"{schema.COLUMN_NAMES[col]}: {what}: {text[:40]!r}"))
     return out

@@ -125,6 +125,8 @@ def test_reasons_name_the_column():
     assert blk.bad == [(0, "I5: not an integer: '1.5'")]
     blk = parse_block(b"\t".join([b"2"] + [b""] * 39) + b"\n", RowFormat.tsv())
     assert blk.bad[0][1].startswith("label must be 0 or 1") or "label" in blk.bad[0][1]
+    blk = parse_block((line.replace("1.5", "1" * 17) + "\n").encode(), RowFormat.tsv())
+    assert blk.bad == [(0, "I5: longer than 16 characters: '" + "1" * 17 + "'")]
     blk = parse_block(b"1\t2\t3\n", RowFormat.tsv())
     assert blk.bad == [(0, "expected 40 fields, found 3")]
 
