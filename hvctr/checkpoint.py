@@ -11,10 +11,12 @@ writes the rows it wrote since the previous checkpoint (a delta; every
 was last written in, its dense state (parameters, Adam moments and step: with
 ``merge.states = params`` the moments differ per rank), its admission counters, the TTL pass
 clock and the bucket table (which rank owns which virtual bucket: ``hvctr reshard`` rewrites
-it), under a temporary name, then renames the file. Rank 0 gathers the files'
-checksums and writes manifest.json last (temporary name, rename): the manifest is the
-completion marker. A directory without a manifest, or whose checksums do not match, is not a
-checkpoint; resume falls back to the newest complete one.
+it), under a temporary name, then renames the file. The file's space is reserved first
+(posix_fallocate), so a full disk is a clear error that leaves nothing behind, never a crash
+inside HDF5. Rank 0 gathers the files' checksums and writes manifest.json last (temporary
+name, rename): the manifest is the completion marker. A directory without a manifest, or
+whose checksums do not match, is not a checkpoint; resume falls back to the newest complete
+one and moves the newer ones to rejected/ (this run will write new ones under their numbers).
 
 The working shard is only a working copy: after a crash it may hold rows written after the
 last checkpoint (evictions write back), so resume rebuilds it from the base and the deltas of
@@ -31,12 +33,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import h5py
 import numpy as np
-import torch
 
+from hvctr.dist.world import AgreedError
 from hvctr.keys import default_bucket_owner
 from hvctr.log import get_logger
+from hvctr.storage.shard import check_free_space
+
+if TYPE_CHECKING:
+    import torch
 
 log = get_logger(__name__)
 
@@ -123,6 +131,67 @@ def _write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+class CheckpointWriteError(ValueError):
+    """A rank file or manifest could not be written (a full disk): nothing of it is kept."""
+
+
+def _early_dcpl() -> h5py.h5p.PropDCID:
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # storage (and a file offset) exist at once
+    return dcpl
+
+
+def _pwrite(fd: int, array: np.ndarray, offset: int) -> None:
+    view = memoryview(np.ascontiguousarray(array)).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def write_reserved(path: Path, attrs: dict[str, Any], n_rows: int, width: int, parts,
+                   arrays: dict[str, np.ndarray]) -> None:
+    """Writes a rank file under a temporary name, space reserved first, then renames it.
+
+    Datasets: keys [n], rows [n, width], last_seen [n] from ``parts`` ((keys, rows, last_seen)
+    chunks, exactly ``n_rows`` rows in all), and ``arrays`` by name ("dense/param.000", ...).
+    HDF5 writes only the skeleton (attributes, headers: KiBs): every dataset is contiguous and
+    allocated at creation, posix_fallocate reserves the file, and the data goes in by pwrite.
+    So a full disk is an OSError from the free-space check or posix_fallocate, never from
+    inside HDF5 (HDF5 2.0 cannot close a file whose write failed for lack of space, and
+    crashes at exit). On any error the temporary file is removed and the error re-raised.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    specs = {"keys": ((n_rows,), np.uint64), "rows": ((n_rows, width), np.float32), "last_seen": ((n_rows,), np.int32),
+             **{name: (a.shape, a.dtype) for name, a in arrays.items()}}
+    try:
+        check_free_space(str(path.parent), sum(int(np.prod(sh)) * np.dtype(dt).itemsize for sh, dt in specs.values()))
+        with h5py.File(tmp, "w", libver=("v110", "v110"), track_order=True) as f:
+            f.attrs.update(attrs)
+            f.create_group("dense", track_order=True)
+            offsets = {name: f.create_dataset(name, shape=sh, dtype=dt, dcpl=_early_dcpl(), fill_time="never",
+                                              track_times=False).id.get_offset() for name, (sh, dt) in specs.items()}
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+            for name, a in arrays.items():
+                if a.size:
+                    _pwrite(fd, a, offsets[name])
+            stride = {name: np.dtype(dt).itemsize * int(np.prod(sh[1:])) for name, (sh, dt) in specs.items()}
+            n = 0
+            for keys, rows, last_seen in parts:
+                for name, a in (("keys", keys), ("rows", rows), ("last_seen", last_seen)):
+                    _pwrite(fd, a.astype(specs[name][1], copy=False), offsets[name] + n * stride[name])
+                n += keys.shape[0]
+            assert n == n_rows, f"{n} rows written, {n_rows} counted: the store changed during a checkpoint"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+
+
 class RowWriter:
     """Appends (keys, rows, last_seen) chunks to a rank file's row datasets."""
 
@@ -177,12 +246,8 @@ class CheckpointManager:
         base_seq = seq if is_base else self._last["base_seq"]
         chain = [seq] if is_base else self._last["chain"] + [seq]
         ckdir = self.dir / f"{_PREFIX}{seq:06d}"
-        ckdir.mkdir(parents=True, exist_ok=True)
         path = ckdir / _rank_file(self.comm.rank)
-        # Stream the rows: a base holds the whole shard, far more than memory.
-        rows_written = self._write_rank_file(path, seq, "base" if is_base else "delta",
-                                             store.iter_rows(delta_only=not is_base, with_last_seen=True),
-                                             store.layout.width, dense, store)
+        rows_written = self._write_rank_file(path, seq, "base" if is_base else "delta", dense, store)
         store.mark_checkpoint()
         self._force_base = False
         mine = {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size,
@@ -193,31 +258,43 @@ class CheckpointManager:
                     "base_seq": base_seq, "chain": chain, "world_size": self.comm.size,
                     "state": asdict(state), "files": files, **extra}
         if self.comm.rank == 0:
-            _write_json(ckdir / "manifest.json", manifest)
+            try:
+                _write_json(ckdir / "manifest.json", manifest)
+            except OSError as e:
+                (ckdir / "manifest.json.tmp").unlink(missing_ok=True)
+                raise self._write_error(seq, ckdir / "manifest.json", e) from None
             self._prune(manifest)
         self._last = manifest
         # comm: barrier so that no rank runs ahead of a manifest that is not yet written
         self.comm.barrier()
         return ckdir
 
-    def _write_rank_file(self, path: Path, seq: int, kind: str, parts, width: int,
-                         dense: dict[str, torch.Tensor], store) -> int:
-        tmp = path.with_name(path.name + ".tmp")
-        with h5py.File(tmp, "w", libver=("v110", "v110"), track_order=True) as f:
-            f.attrs.update({"format_version": FORMAT_VERSION, "seq": seq, "kind": kind, "rank": self.comm.rank,
-                            "world_size": self.comm.size, "pass_index": store.pass_index})
-            n = write_rows(f, parts, width)
-            g = f.create_group("dense", track_order=True)
-            for name, t in dense.items():
-                g.create_dataset(name, data=t.detach().cpu().numpy(), track_times=False)
-            admission = store.admission_state()
-            if admission is not None:
-                f.create_dataset("admission", data=admission, track_times=False)
-            f.create_dataset("bucket_owner", data=store.shard.bucket_owner, track_times=False)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+    def _write_rank_file(self, path: Path, seq: int, kind: str, dense: dict[str, torch.Tensor], store) -> int:
+        """This rank's file of checkpoint ``seq`` (a base: every row; a delta: rows written since
+        the last mark), streamed from the store; returns its row count."""
+        n = store.count_rows(delta_only=kind == "delta")
+        attrs = {"format_version": FORMAT_VERSION, "seq": seq, "kind": kind, "rank": self.comm.rank,
+                 "world_size": self.comm.size, "pass_index": store.pass_index}
+        arrays = {f"dense/{name}": t.detach().cpu().numpy() for name, t in dense.items()}
+        admission = store.admission_state()
+        if admission is not None:
+            arrays["admission"] = admission
+        arrays["bucket_owner"] = store.shard.bucket_owner
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Stream the rows: a base holds the whole shard, far more than memory.
+            write_reserved(path, attrs, n, store.layout.width,
+                           store.iter_rows(delta_only=kind == "delta", with_last_seen=True), arrays)
+        except OSError as e:
+            raise self._write_error(seq, path, e) from None
         return n
+
+    def _write_error(self, seq: int, path: Path, e: OSError) -> CheckpointWriteError:
+        last = f"checkpoint {self._last['seq']}" if self._last else "none yet"
+        return CheckpointWriteError(
+            f"checkpoint {seq}: cannot write {path}: {e.strerror or e}; nothing of it was kept, the newest "
+            f"complete checkpoint is {last}: free space in {self.dir} (or set checkpoint.dir elsewhere), "
+            f"then run again with --resume")
 
     def _prune(self, newest: dict[str, Any]) -> None:
         """Keeps the newest ``keep`` complete checkpoints and the bases and deltas they need."""
@@ -273,7 +350,7 @@ class CheckpointManager:
             m = by_seq.get(seq)
             problem = "no manifest on this rank's view of the directory" if m is None else self._verify_mine(m, by_seq)
             if problem and m is not None and m["world_size"] != self.comm.size:
-                raise ValueError(f"{self.dir}: {problem}")
+                raise AgreedError(f"{self.dir}: {problem}", report=self.comm.rank == 0)
             if problem:
                 log.warning(f"rank {self.comm.rank}: skipping checkpoint {seq}: {problem}")
             # comm: allreduce (Min) of 'my files are good', so that all ranks fall back together
@@ -281,6 +358,27 @@ class CheckpointManager:
             if ok:
                 return m
         return None
+
+    def set_aside_newer(self, manifest: dict[str, Any]) -> None:
+        """Moves the checkpoints newer than the one resumed from into ``rejected/`` (collective).
+
+        They failed verification (or were never completed), and this run writes new ones under
+        the same numbers: a stale delta left beside a new base would verify, and load the
+        abandoned run's rows. Moved rather than deleted, for whoever wants to look at them.
+        """
+        if self.comm.rank == 0:
+            newer = [p for p in self.dir.glob(f"{_PREFIX}*") if p.name[len(_PREFIX):].isdigit()
+                     and _seq_of(p) > manifest["seq"]]
+            for path in sorted(newer):
+                dest = self.dir / "rejected" / path.name
+                dest.parent.mkdir(exist_ok=True)
+                shutil.rmtree(dest, ignore_errors=True)
+                os.replace(path, dest)
+            if newer:
+                log.warning(f"checkpoints {', '.join(p.name for p in sorted(newer))} are newer than checkpoint "
+                            f"{manifest['seq']} but cannot be loaded: moved to {self.dir / 'rejected'}")
+        # comm: barrier: no rank writes its next checkpoint before the old ones are out of the way
+        self.comm.barrier()
 
     def bucket_owner(self, manifest: dict[str, Any]) -> np.ndarray:
         """The bucket table of a checkpoint: build the store with it before ``load``."""

@@ -364,6 +364,17 @@ class EmbeddingStore:
             self.shard = Shard.open(self.path)
             return dropped
 
+    def count_rows(self, delta_only: bool = False, chunk_rows: int = 1 << 18) -> int:
+        """How many rows ``iter_rows(delta_only=...)`` yields now (flushes first, reads only
+        row_meta): a checkpoint reserves its file's space before writing a byte of it."""
+        self.flush()
+        with self._lock:
+            if not delta_only:
+                return self.shard.n_rows
+            return sum(int(np.count_nonzero(self.shard.read_meta(start, start + chunk_rows)["generation"]
+                                            == self.shard.generation))
+                       for start in range(0, self.shard.n_rows, chunk_rows))
+
     def iter_rows(self, chunk_rows: int = 1 << 16, delta_only: bool = False,
                   with_last_seen: bool = False) -> Iterator[tuple[np.ndarray, ...]]:
         """Every stored (keys, rows), in shard order, in chunks; flushes first.
