@@ -14,6 +14,7 @@ import sys
 from typing import Callable
 
 import hvctr
+from hvctr.dist.world import AgreedError, abort_job
 
 # name -> (module, one-line help). The module provides add_arguments(parser) and run(args, overrides).
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -52,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args, rest)
     except ValueError as e:  # user errors: bad config, bad input; a message, not a traceback
-        if getattr(e, "report", True):  # an error every rank agreed on is printed by rank 0 alone
+        agreed = isinstance(e, AgreedError)  # every rank raised it: rank 0 alone prints it
+        if not agreed or e.report:
             print(f"hvctr {args.command}: error: {e}", file=sys.stderr)
+        if not agreed:
+            abort_job(2)  # this rank's error alone: other ranks may wait in a collective
         return 2
 
 

@@ -13,6 +13,7 @@ raises ``AgreedError``; the command line prints it where ``report`` is true.
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 
@@ -87,3 +88,18 @@ def check_collectively(check, size: int):
         result, error = None, str(e)
     raise_agreed(agree_on_errors(error), size)
     return result
+
+
+def abort_job(code: int) -> None:
+    """Ends every rank at once (MPI_Abort) when this process is one of several MPI ranks.
+
+    For an error of this rank alone (its data shard, its disk) while the others may wait in
+    a collective: left to Horovod's shutdown at exit, each of them would print a traceback
+    of its own. A no-op outside MPI or alone.
+    """
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(code)
