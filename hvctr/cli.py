@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("hvctr.train.eval_cmd", "evaluate a run's newest checkpoint on its validation split"),
     "config": ("hvctr.config_cmd", "print the resolved configuration (defaults < file < flags) as TOML"),
     "topo": ("hvctr.topo.cmd", "discover the node's hardware map (TOML), or print the placement plan of its ranks"),
+    "plan": ("hvctr.plan.cmd", "how much SSD, host and GPU memory a table needs per rank, bytes and time per step"),
 }
 
 

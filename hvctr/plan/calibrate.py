@@ -1,0 +1,312 @@
+"""Measures this machine's rates for the planner (``hvctr bench --calibrate``).
+
+    python -m hvctr.plan.calibrate --rates bench/rates.toml [--ranks 1,2] [--quick]
+
+For each count R in ``--ranks``, ``mpirun -np R`` starts the worker (this module with
+``--worker``): every rank runs the same measurement at the same moment (a barrier before
+each), on one torch thread as an unbound training rank does, so an entry holds the rates of R
+ranks sharing the node. Each rate is the median of repeats, averaged over the ranks. What
+is measured is hvctr's own code on the sizes training uses:
+
+- the dense model's forward + backward (FLOP/s) and its Adam step, on a batch of 4096;
+- the sparse path of a step: gather_rows + sum_rows_grad per batch key, sparse_adam_step
+  per row, and what a whole local step costs beyond those parts;
+- np.unique with inverse on uint64 keys; host memory copies;
+- an EmbeddingStore on a fresh shard: rows created, cache hits, cache writes, shard rows
+  warmed from the page cache and from the disk (page cache dropped, the store reopened);
+- data rows read from an HDF5 file laid out as a data shard;
+- Horovod alltoall and grouped allreduce through hvctr.dist: the latency of a tiny one and
+  the bytes per second of a large one (with one rank nothing crosses between ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from hvctr.plan.rates import Rates, RatesFile, write_rates
+
+DIM, BATCH, FIELDS = 16, 4096, 26
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1"}
+
+
+def _seconds(fn: Callable[[], object], reps: int) -> float:
+    """Median wall seconds of ``fn`` over ``reps`` calls, after one warm-up call."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+# --- the measurements (one rank) ------------------------------------------------------
+
+
+def compute_rates(reps: int) -> dict[str, float]:
+    import torch
+    import torch.nn.functional as F
+
+    from hvctr.config import ModelConfig
+    from hvctr.models import build_model
+    from hvctr.optim import gather_rows, sparse_adam_step, sum_rows_grad
+    from hvctr.optim.bench import power_law_positions
+    from hvctr.plan.model import dense_flops_per_sample, dense_params
+
+    cfg = ModelConfig()
+    model = build_model(cfg, DIM, seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    pos = torch.from_numpy(power_law_positions(BATCH, seed=1))
+    rows = torch.rand(int(pos.max()) + 1, 3 * (DIM + 1) + 1, generator=g) * 0.01
+    dense, labels = torch.rand(BATCH, 13, generator=g), (torch.rand(BATCH, generator=g) < 0.25).float()
+    leaf = gather_rows(rows, pos, DIM)
+
+    def fwd_bwd() -> None:
+        opt.zero_grad(set_to_none=True)
+        leaf.grad = None
+        F.binary_cross_entropy_with_logits(model(dense, leaf[..., :DIM], leaf[..., DIM]), labels).backward()
+
+    fwd_bwd()
+    grad = leaf.grad.clone()
+    idx, summed = sum_rows_grad(pos, grad)
+
+    def local_step() -> None:  # Trainer._forward_backward + _local_step
+        p = gather_rows(rows, pos, DIM)
+        loss = F.binary_cross_entropy_with_logits(model(dense, p[..., :DIM], p[..., DIM]), labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        float(loss.detach())
+        i, s = sum_rows_grad(pos, p.grad)
+        sparse_adam_step(rows, i, s, 1e-3, 0.9, 0.999, 1e-8)
+        opt.step()
+
+    t = {"fb": _seconds(fwd_bwd, reps), "adam": _seconds(opt.step, reps),
+         "keys": _seconds(lambda: sum_rows_grad(pos, gather_rows(rows, pos, DIM).detach()), reps),
+         "rows": _seconds(lambda: sparse_adam_step(rows, idx, summed, 1e-3, 0.9, 0.999, 1e-8), reps),
+         "step": _seconds(local_step, reps)}
+    return {"compute_flops_per_s": dense_flops_per_sample(cfg, DIM) * BATCH / t["fb"],
+            "dense_adam_params_per_s": dense_params(cfg, DIM) / t["adam"],
+            "sparse_keys_per_s": pos.numel() / t["keys"], "sparse_rows_per_s": idx.numel() / t["rows"],
+            "step_overhead_s": max(t["step"] - t["fb"] - t["adam"] - t["keys"] - t["rows"], 0.0)}
+
+
+def host_rates(reps: int) -> dict[str, float]:
+    from hvctr.keys import mix64
+
+    keys = mix64(np.arange(1 << 19, dtype=np.uint64) + np.uint64(12345 << 32))
+    a = np.ones(4 << 20, dtype=np.float64)  # 32 MiB, beyond the last-level cache
+    b = np.empty_like(a)
+    return {"sort_keys_per_s": keys.size / _seconds(lambda: np.unique(keys, return_inverse=True), reps),
+            "memcpy_bytes_per_s": a.nbytes / _seconds(lambda: np.copyto(b, a), reps)}
+
+
+def _drop_page_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def store_rates(work: str, batches: int) -> dict[str, float]:
+    """Rows/s of the store's operations, each over ``batches`` batches of 2^15 fresh keys."""
+    from hvctr.config import StorageConfig
+    from hvctr.keys import mix64
+    from hvctr.storage import EmbeddingStore
+
+    n = 1 << 15
+    cfg = StorageConfig(dim=DIM, rows_per_rank=max(4 * batches * n, 1 << 18), cpu_cache_bytes=256 << 20)
+    path = os.path.join(work, "calibrate-shard.h5")
+    keys = [mix64(np.arange(n, dtype=np.uint64) + np.uint64((b + 1) << 40)) for b in range(batches)]
+    t: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Callable[[], object]) -> None:
+        t0 = time.perf_counter()
+        fn()
+        t.setdefault(name, []).append(time.perf_counter() - t0)
+
+    store = EmbeddingStore(cfg, path, create=True)
+    rows = np.zeros((n, store.layout.width), dtype=np.float32)
+    for k in keys:
+        timed("new", lambda: store.read(k))
+        timed("hit", lambda: store.read(k))
+        timed("write", lambda: store.write(k, rows))
+    store.flush()
+    store.cache.clear()
+    for k in keys:  # rows on the shard, the file's pages in the page cache
+        timed("shard", lambda: store.warm(k))
+    store.close()
+    _drop_page_cache(path)
+    store = EmbeddingStore(cfg, path, create=False)
+    for k in keys:
+        timed("disk", lambda: store.warm(k))
+    store.close()
+    os.unlink(path)
+    rate = {name: n / statistics.median(v) for name, v in t.items()}
+    return {"new_rows_per_s": rate["new"], "cache_rows_per_s": rate["hit"], "cache_write_rows_per_s": rate["write"],
+            "shard_rows_per_s": rate["shard"], "disk_rows_per_s": rate["disk"]}
+
+
+def data_rate(work: str, reps: int) -> dict[str, float]:
+    """Rows/s of reading a data shard's three datasets in slices, as hvctr.data.ShardReader does."""
+    import h5py
+
+    n, step = 1 << 17, 1 << 15
+    path = os.path.join(work, "calibrate-data.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("labels", data=np.zeros(n, np.float32))
+        f.create_dataset("dense", data=np.ones((n, 13), np.float32))
+        f.create_dataset("keys", data=np.arange(n * FIELDS, dtype=np.uint64).reshape(n, FIELDS))
+    out = (np.empty(step, np.float32), np.empty((step, 13), np.float32), np.empty((step, FIELDS), np.uint64))
+
+    def read_all() -> None:
+        with h5py.File(path, "r") as f:
+            for a in range(0, n, step):
+                for name, arr in zip(("labels", "dense", "keys"), out):
+                    f[name].read_direct(arr, source_sel=np.s_[a:a + step])
+
+    rate = n / _seconds(read_all, reps)
+    os.unlink(path)
+    return {"data_rows_per_s": rate}
+
+
+def exchange_rates(comm, reps: int, memcpy_bytes_per_s: float) -> dict[str, float]:
+    """Latency of tiny collectives; bytes/s between ranks from a large alltoall (beyond the
+    copies the call makes anyway)."""
+    import torch
+
+    W = comm.size
+    width = 3 * (DIM + 1) + 1 + 2  # a pushed row: key (2 float32) + row
+    per_peer = 1 << 14
+    tiny, big = torch.zeros(W, 2), torch.zeros(W * per_peer, width)
+    counter = iter(range(1 << 30))
+
+    def a2a(t: torch.Tensor) -> Callable[[], object]:
+        # comm: alltoall of calibration messages, every rank sends len/W rows to each rank
+        return lambda: comm.alltoall(t, [t.shape[0] // W] * W, name=f"calibrate.a2a.{next(counter)}")
+
+    def ar(ts: list[torch.Tensor]) -> Callable[[], object]:
+        # comm: grouped allreduce (Sum) of calibration tensors
+        return lambda: comm.allreduce_sum(ts, name=f"calibrate.ar.{next(counter)}")
+
+    lat_a2a = _seconds(a2a(tiny), reps * 4)
+    lat_ar = _seconds(ar([torch.zeros(2)]), reps * 4)
+    out = {"alltoall_latency_s": lat_a2a, "allreduce_latency_s": lat_ar, "intra_node_bytes_per_s": 0.0}
+    if W > 1:
+        sent = big.element_size() * width * per_peer * (W - 1)
+        t = _seconds(a2a(big), reps) - lat_a2a - sent / memcpy_bytes_per_s
+        out["intra_node_bytes_per_s"] = sent / max(t, 1e-6)
+    return out
+
+
+def measure_rank(comm, work: str, quick: bool) -> dict[str, float]:
+    """Every rate of this rank; the ranks run each part together."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    reps = 3 if quick else 7
+    res: dict[str, float] = {}
+    for part in ("compute", "host", "store", "data"):
+        comm.barrier()  # comm: barrier: the ranks measure each part at the same time
+        if part == "compute":
+            res.update(compute_rates(reps))
+        elif part == "host":
+            res.update(host_rates(reps))
+        elif part == "store":
+            res.update(store_rates(work, 2 if quick else 4))
+        else:
+            res.update(data_rate(work, reps))
+    comm.barrier()  # comm: barrier before the exchange measurements
+    res.update(exchange_rates(comm, reps, res["memcpy_bytes_per_s"]))
+    return res
+
+
+def worker(out: str, work: str, quick: bool) -> int:
+    from hvctr.dist import init_comm
+
+    comm = init_comm()
+    mine = os.path.join(work, f"rank-{comm.rank}")
+    os.makedirs(mine, exist_ok=True)
+    res = measure_rank(comm, mine, quick)
+    # comm: allgather of every rank's rates; rank 0 writes their mean
+    every = comm.allgather_object(res, name="calibrate.results")
+    if comm.rank == 0:
+        mean = {k: float(np.mean([r[k] for r in every])) for k in res}
+        Path(out).write_text(json.dumps({"ranks": comm.size, "rates": mean, "per_rank": every}, indent=1))
+    comm.shutdown()
+    return 0
+
+
+# --- the driver -----------------------------------------------------------------------
+
+
+def run_ranks(ranks: int, work: Path, quick: bool, python: str = sys.executable) -> dict:
+    out = work / f"rates-{ranks}.json"
+    cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", python, "-m", "mpi4py", "-m", "hvctr.plan.calibrate",
+           "--worker", "--out", str(out), "--work-dir", str(work)] + (["--quick"] if quick else [])
+    r = subprocess.run(cmd, env={**os.environ, **MPI_ENV}, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"calibration with {ranks} ranks failed ({r.returncode}): {' '.join(cmd)}\n"
+                           f"{r.stdout[-2000:]}{r.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def calibrate(rates_path: str, ranks: list[int], quick: bool, name: str = "", work_dir: str | None = None) -> RatesFile:
+    """Measures each rank count, writes the rates file, returns it."""
+    load0 = os.getloadavg()[0]
+    t0 = time.time()
+    entries = []
+    with tempfile.TemporaryDirectory(prefix="hvctr-calibrate-", dir=work_dir) as work:
+        for r in ranks:
+            res = run_ranks(r, Path(work), quick)
+            entries.append(Rates(ranks_per_node=r, **res["rates"]))
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    source = (f"measured by hvctr bench --calibrate{' --quick' if quick else ''} on {os.uname().nodename}, {stamp}, "
+              f"{os.cpu_count()} cpus, load average {load0:.1f} at the start, {time.time() - t0:.0f} s")
+    rf = RatesFile(name=name or os.uname().nodename, source=source, entries=tuple(entries))
+    write_rates(rf, rates_path, header=["Measured on this machine: one torch thread per rank, ranks side by side."])
+    return rf
+
+
+def default_ranks() -> list[int]:
+    """1 rank alone, and as many side by side as the machine has cpus (at most 8)."""
+    n = min(os.cpu_count() or 1, 8)
+    return [1] if n == 1 else [1, n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hvctr.plan.calibrate", description=__doc__.splitlines()[0])
+    p.add_argument("--rates", default="bench/rates.toml", help="rates file to write")
+    p.add_argument("--ranks", default="", help="rank counts to measure, e.g. 1,2 (default: 1 and the cpu count)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats")
+    p.add_argument("--name", default="", help="the rates file's name (default: the host name)")
+    p.add_argument("--work-dir", default=None, help="scratch directory for the shard and data files")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args.out, args.work_dir, args.quick)
+    ranks = [int(x) for x in args.ranks.split(",") if x] if args.ranks else default_ranks()
+    rf = calibrate(args.rates, ranks, args.quick, args.name, args.work_dir)
+    print(f"wrote {args.rates}: {rf.source}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

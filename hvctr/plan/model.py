@@ -1,0 +1,390 @@
+"""The planner's arithmetic: sizes from the formats, bytes from the exchange code, time from rates.
+
+Every size is the closed form of what the code allocates or sends (tests check each against
+the code), per rank unless it says otherwise:
+
+    W = nodes * ranks_per_node, k = merge.every_k_steps (1 for sync), B = batch per rank
+    row = 4 * (3 * (D + 1) + 1) bytes (w, w1, m, v, step: Adam states included)
+    U   = D(k B)           distinct keys of a window: the working set, rows on the device
+    U_o = D(W k B) / W     distinct keys an owner answers per window (the ranks' union)
+    f   = (W - 1) / W      the share of a rank's keys that other ranks own
+
+    pull  keys out U f 8, rows out (answering others) U f row    counted by ShardedTable
+    warm  keys out U f 8                                          (prefetch thread)
+    push  keys and rows out U f (8 + row)                         kstep
+    push_gradients  U f (8 + 4 (D + 1))                           sync
+    dense payload per merge: (P + P [m] + P [v]) * wire bytes + 8 (the flags)   kstep
+                             P * wire bytes + 8                                  sync
+
+Time per window is the sum of per-item costs at the measured rates (hvctr.plan.rates):
+
+    prep    (prefetch thread) read k B data rows, sort the window's keys twice, warm:
+            route, send keys, bring the owner's shard misses into its cache
+    pull    route, send keys, store reads (hits, new rows), rows back, scatter
+    compute k * (dense forward/backward + dense Adam + gather/grad-sum of B F keys
+            + lazy Adam of D(B) rows + per-step overhead)
+    merge   the grouped allreduce, then push: pack, send, merge by key, cache writes
+            (sync: the gradient push, store reads, Adam on the owner's rows, writes)
+
+The prefetch thread overlaps the main thread when the rank has a core to spare for it
+(more cpus than torch threads), else its time adds. More ranks than cpus stretch every CPU
+time by ranks / cpus. A collective's time is latency + payload copies + wire bytes over the
+node's links (ring allreduce: 2 (W - 1) / W of the payload; across nodes the node's NIC
+carries its ranks' share).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hvctr.config import Compression, MergeMode, MergeStates, ModelArch, ModelConfig
+from hvctr.keys import NUM_BUCKETS
+from hvctr.plan.keyfreq import KeyCurve
+from hvctr.plan.rates import Rates
+from hvctr.storage.cache import entries_for_budget
+from hvctr.storage.row import RowLayout
+from hvctr.storage.shard import INDEX_DTYPE, META_DTYPE, num_slots_for
+
+KEY_BYTES = 8
+DATA_ROW_BYTES = 4 + 4 * 13 + 8 * 26  # label, dense, keys: hvctr.data.ROW_BYTES for Criteo's 13 + 26
+# A rank's memory besides the cache and the window buffers: Python, torch, h5py, Horovod and
+# its fusion buffer. Measured RSS of a CPU rank right after start-up on this machine type: an
+# assumption elsewhere.
+BASE_RANK_BYTES = 400 << 20
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is planned (the training config's numbers)."""
+
+    nodes: int
+    ranks_per_node: int
+    keys: int  # distinct keys in the table
+    dim: int
+    batch_size_per_rank: int
+    every_k_steps: int
+    mode: MergeMode = MergeMode.KSTEP
+    states: MergeStates = MergeStates.PARAMS_M_V
+    compression: Compression = Compression.NONE
+    cpu_cache_bytes: int = 256 << 20
+    max_load_factor: float = 0.8
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pass_rows: int = 0  # rows of a first pass, whose new keys are created as it goes; 0: all keys known
+    prefetch: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def k(self) -> int:
+        return 1 if self.mode is MergeMode.SYNC else self.every_k_steps
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the hardware map (and the user) say about one node; 0 means unknown."""
+
+    name: str
+    cpus: int  # cpus of the NUMA nodes the ranks run on
+    threads_per_rank: int  # torch threads each rank runs
+    host_memory_bytes: float = 0.0  # per node
+    gpus: int = 0
+    gpu_memory_bytes: float = 0.0  # per GPU
+    ssd_bytes: float = 0.0  # per rank's SSD directory (its file system)
+    ranks_per_ssd: int = 1  # ranks whose shards share one SSD
+    notes: tuple[str, ...] = ()
+
+
+# --- closed forms ---------------------------------------------------------------------
+
+
+def linear_layers(model: ModelConfig, dim: int) -> list[tuple[int, int]]:
+    """(in, out) of every nn.Linear of hvctr.models' architecture ``model.arch``."""
+    widths = [model.num_fields * dim + model.num_dense, *model.hidden, 1]
+    layers = list(zip(widths[:-1], widths[1:]))
+    if model.arch in (ModelArch.DEEPFM, ModelArch.WDL):
+        layers.append((model.num_dense, 1))  # the linear term on the dense features
+    return layers
+
+
+def dense_params(model: ModelConfig, dim: int) -> int:
+    """Dense parameters P: weights and biases of the model's linear layers."""
+    return sum(i * o + o for i, o in linear_layers(model, dim))
+
+
+def dense_flops_per_sample(model: ModelConfig, dim: int) -> int:
+    """Forward 2 in out + backward 4 in out per linear layer (the input's gradient is needed:
+    it is the embeddings'). DeepFM's FM term, O(F D), is left out."""
+    return sum(6 * i * o for i, o in linear_layers(model, dim))
+
+
+def rows_per_rank(keys: int, world_size: int) -> int:
+    """Rows of the fullest shard: buckets are dealt round robin, ceil(4096 / W) on some ranks."""
+    return math.ceil(keys * math.ceil(NUM_BUCKETS / world_size) / NUM_BUCKETS)
+
+
+def shard_bytes(capacity: int, dim: int, max_load_factor: float) -> dict[str, int]:
+    """Bytes of one SSD shard file (hvctr.storage.shard), allocated in full at creation."""
+    index = num_slots_for(capacity, max_load_factor) * INDEX_DTYPE.itemsize
+    rows = capacity * RowLayout(dim).row_bytes
+    meta = capacity * META_DTYPE.itemsize
+    return {"index": index, "rows": rows, "meta": meta, "total": index + rows + meta}
+
+
+def dense_payload_bytes(params: int, mode: MergeMode, states: MergeStates, compression: Compression) -> int:
+    """Bytes one rank puts into the dense merge's grouped allreduce (what KStepMerger and
+    SyncGradients count): parameters and m at the wire's width, v always float32, 2 flags."""
+    wire = 2 if compression is Compression.FP16 else 4
+    flags = 2 * 4
+    if mode is MergeMode.SYNC:
+        return params * wire + flags
+    m = params * wire if states is MergeStates.PARAMS_M_V else 0
+    v = params * 4 if states in (MergeStates.PARAMS_V, MergeStates.PARAMS_M_V) else 0
+    return params * wire + m + v + flags
+
+
+def sparse_bytes_per_window(u: float, world_size: int, dim: int, mode: MergeMode,
+                            prefetch: bool) -> dict[str, float]:
+    """Bytes a rank sends to other ranks per window: pull (keys out, rows answered), warm, push."""
+    row = RowLayout(dim).row_bytes
+    f = (world_size - 1) / world_size
+    out = {"pull": u * f * (KEY_BYTES + row), "warm": u * f * KEY_BYTES if prefetch else 0.0}
+    if mode is MergeMode.SYNC:
+        out["push"] = u * f * (KEY_BYTES + 4 * (dim + 1))
+    else:
+        out["push"] = u * f * (KEY_BYTES + row)
+    return out
+
+
+# --- time -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """Per-item seconds from one Rates entry, with the oversubscription stretch applied."""
+
+    r: Rates
+    cpu: float  # stretch of CPU times (ranks / cpus when oversubscribed)
+    nodes: int
+    ranks_per_node: int
+
+    def sort(self, n: float) -> float:
+        return self.cpu * n / self.r.sort_keys_per_s
+
+    def copy(self, nbytes: float) -> float:
+        return self.cpu * nbytes / self.r.memcpy_bytes_per_s if self.r.memcpy_bytes_per_s else 0.0
+
+    def _links(self, nbytes_intra: float, nbytes_nic: float) -> float:
+        t = nbytes_intra / self.r.intra_node_bytes_per_s if self.r.intra_node_bytes_per_s else 0.0
+        if nbytes_nic:
+            t += nbytes_nic / self.r.nic_bytes_per_s
+        return t
+
+    def alltoall(self, out_bytes: float) -> float:
+        """Latency + the rank's bytes to other ranks; those to other nodes share the node's NIC."""
+        w = self.nodes * self.ranks_per_node
+        if w == 1:
+            return self.r.alltoall_latency_s
+        off = out_bytes * (w - self.ranks_per_node) / (w - 1)
+        return (self.r.alltoall_latency_s + self.copy(out_bytes)
+                + self._links(out_bytes - off, off * self.ranks_per_node))
+
+    def allreduce(self, payload: float) -> float:
+        """Latency + fusion-buffer copies + a ring inside the node, then a ring over the nodes."""
+        rpn, n = self.ranks_per_node, self.nodes
+        intra = 2 * (rpn - 1) / rpn * payload if rpn > 1 else 0.0
+        nic = 2 * (n - 1) / n * payload if n > 1 else 0.0
+        return self.r.allreduce_latency_s + self.copy(2 * payload) + self._links(intra, nic)
+
+
+def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float, shard_rate: float,
+                  on_device: bool) -> dict[str, float]:
+    """Seconds of each phase of one window on one rank (see the module docstring)."""
+    r, W, k, B, D = c.r, job.world_size, job.k, job.batch_size_per_rank, job.dim
+    F = job.model.num_fields
+    row = RowLayout(D).row_bytes
+    f = (W - 1) / W
+    u, u_b = curve(k * B), curve(B)
+    u_o = curve(W * k * B) / W
+    miss_o = max(u_o - new_o, 0.0) * (1 - hit)  # known keys not in the cache: read from the shard
+    shard_read = c.cpu * miss_o / shard_rate
+    warm = (2 * c.sort(u) + c.alltoall(u * f * KEY_BYTES) + c.cpu * u_o / r.cache_rows_per_s + shard_read
+            if job.prefetch else 0.0)
+    prep = c.cpu * k * B / r.data_rows_per_s + c.sort(2 * k * B * F) + r.allreduce_latency_s + warm
+    dev = (u * row / r.device_bytes_per_s) if on_device and r.device_bytes_per_s else 0.0
+    store = (c.cpu * (max(u_o - new_o, 0.0) / r.cache_rows_per_s + new_o / max(r.new_rows_per_s, 1e-9))
+             + (0.0 if job.prefetch else shard_read))
+    pull = (2 * c.sort(u) + c.alltoall(u * f * KEY_BYTES) + store + c.alltoall(u * f * row)
+            + c.copy(u * row) + dev)
+    P = dense_params(job.model, D)
+    flops = dense_flops_per_sample(job.model, D) * B
+    cpu_compute = 1.0 if on_device else c.cpu  # an accelerator is not shared with other ranks' threads
+    step = (cpu_compute * (flops / r.compute_flops_per_s + P / r.dense_adam_params_per_s
+                           + B * F / r.sparse_keys_per_s + u_b / r.sparse_rows_per_s + r.step_overhead_s))
+    compute = k * step
+    payload = dense_payload_bytes(P, job.mode, job.states, job.compression)
+    if job.mode is MergeMode.SYNC:
+        grad_bytes = KEY_BYTES + 4 * (D + 1)
+        merge = (c.allreduce(payload) + 2 * c.sort(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
+                 + c.cpu * u_o * (1 / r.cache_rows_per_s + 1 / r.sparse_rows_per_s + 1 / r.cache_write_rows_per_s))
+    else:
+        merge = (c.allreduce(payload) + 2 * c.sort(u) + c.copy(u * (row + KEY_BYTES))
+                 + c.alltoall(u * f * (row + KEY_BYTES)) + c.cpu * u_o / r.cache_write_rows_per_s + dev)
+    return {"prep": prep, "pull": pull, "compute": compute, "merge": merge}
+
+
+# --- the plan -------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    job: Job
+    node: NodeInfo
+    rates: Rates
+    curve: KeyCurve
+    figures: dict[str, float]  # named numbers (bytes, rows, seconds), per rank unless named per node
+    fits: list[tuple[str, bool | None, str]]  # (where, fits: True/False/None unknown, why)
+    notes: list[str]
+
+
+def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
+    """Sizes, bytes per step and time per step of ``job`` on ``node`` (see the module docstring)."""
+    _check_job(job)
+    W, k, B, D = job.world_size, job.k, job.batch_size_per_rank, job.dim
+    layout = RowLayout(D)
+    notes: list[str] = list(node.notes)
+    table_keys = min(job.keys, int(curve(job.pass_rows))) if job.pass_rows else job.keys
+    capacity = rows_per_rank(job.keys, W)
+    shard = shard_bytes(capacity, D, job.max_load_factor)
+    cache_entries = entries_for_budget(layout.width, job.cpu_cache_bytes)
+    keys_per_rank = table_keys / W
+    if cache_entries >= keys_per_rank:
+        hit = 1.0
+    else:
+        hit = curve.hit_rate(W * k * B, cache_entries * W)
+        notes.append(f"cache holds {cache_entries / keys_per_rank:.1%} of a rank's rows: hit rate "
+                     f"{hit:.3f} for an ideal frequency cache (LFU with aging comes close on power-law keys)")
+    u, u_b, u_o = curve(k * B), curve(B), curve(W * k * B) / W
+    new_o = _new_keys_per_window(job, curve)
+    P = dense_params(job.model, D)
+    on_device = node.gpus > 0
+    # Page cache: host memory the ranks leave free holds shard pages; a shard that does not
+    # fit is read from the device at disk_rows_per_s.
+    host_rank = _host_bytes_per_rank(job, u, P)
+    free = node.host_memory_bytes - job.ranks_per_node * host_rank
+    shard_in_ram = node.host_memory_bytes > 0 and free >= job.ranks_per_node * shard["total"]
+    shard_rate = rates.shard_rows_per_s if shard_in_ram else rates.disk_rows_per_s
+    cpu = _stretch(job, node, rates)
+    t = _window_times(job, _Costs(rates, cpu, job.nodes, job.ranks_per_node), curve, hit, new_o, shard_rate,
+                      on_device)
+    spare_core = node.cpus / job.ranks_per_node >= node.threads_per_rank + 1
+    main = t["pull"] + t["compute"] + t["merge"]
+    window = max(main, t["prep"]) if (job.prefetch and spare_core) else main + t["prep"]
+    if job.prefetch and not spare_core:
+        notes.append("no spare core per rank for the prefetch thread: its time adds to the step")
+    sparse = sparse_bytes_per_window(u if job.mode is MergeMode.KSTEP else u_b, W, D, job.mode, job.prefetch)
+    payload = dense_payload_bytes(P, job.mode, job.states, job.compression)
+    dev_bytes = _device_bytes(job, u, P)
+    figures = {
+        "world_size": W, "dense_params": P, "row_bytes": layout.row_bytes,
+        "table_keys": table_keys, "shard_capacity_rows": capacity, "shard_index_bytes": shard["index"],
+        "shard_rows_bytes": shard["rows"], "shard_meta_bytes": shard["meta"], "shard_bytes": shard["total"],
+        "checkpoint_base_bytes": capacity * (KEY_BYTES + layout.row_bytes + 4),
+        "cache_bytes": job.cpu_cache_bytes, "cache_rows": cache_entries, "cache_hit_rate": hit,
+        "host_bytes": host_rank,
+        "working_set_rows": u, "batch_unique_rows": u_b, "owner_rows_per_window": u_o,
+        "new_rows_per_window": new_o, "device_bytes": dev_bytes,
+        "pull_bytes_per_step": sparse["pull"] / k, "warm_bytes_per_step": sparse["warm"] / k,
+        "push_bytes_per_step": sparse["push"] / k, "dense_payload_bytes_per_step": payload / k,
+        "dense_wire_bytes_per_step": payload / k * 2 * (W - 1) / W,
+        "sparse_bytes_per_step": sum(sparse.values()) / k,
+        **{f"{name}_s_per_step": v / k for name, v in t.items()},
+        "step_s": window / k, "samples_per_s_per_rank": B * k / window, "samples_per_s": W * B * k / window,
+    }
+    p = Plan(job, node, rates, curve, figures, [], notes)
+    p.fits = _fits(p, shard_in_ram)
+    return p
+
+
+def _check_job(job: Job) -> None:
+    for name in ("nodes", "ranks_per_node", "keys", "dim", "batch_size_per_rank", "every_k_steps"):
+        if getattr(job, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(job, name)}")
+    if not 0.05 <= job.max_load_factor <= 0.95:
+        raise ValueError(f"storage.max_load_factor must be in [0.05, 0.95], got {job.max_load_factor}")
+
+
+def _new_keys_per_window(job: Job, curve: KeyCurve) -> float:
+    """New rows an owner creates per window after the first, in a first pass of job.pass_rows
+    rows (the first window's are all new, and left out: the planner sizes the steady state)."""
+    if not job.pass_rows:
+        return 0.0
+    span = job.world_size * job.k * job.batch_size_per_rank  # rows of one window, all ranks
+    windows = job.pass_rows / span
+    if windows <= 1:
+        return curve(span) / job.world_size
+    total = min(curve(job.pass_rows), job.keys)
+    return max(total - curve(span), 0.0) / job.world_size / (windows - 1)
+
+
+def _stretch(job: Job, node: NodeInfo, rates: Rates) -> float:
+    """CPU times stretch by ranks / cpus when there are more ranks (times threads) than cpus,
+    relative to the oversubscription the rates were measured under."""
+    want = max(1.0, job.ranks_per_node * node.threads_per_rank / node.cpus)
+    had = max(1.0, rates.ranks_per_node / node.cpus)
+    return max(want / had, 1.0)
+
+
+def _host_bytes_per_rank(job: Job, u: float, params: int) -> float:
+    """Cache budget + working set and its messages + two windows of data + dense state + base."""
+    row = RowLayout(job.dim).row_bytes
+    window_data = 2 * job.k * job.batch_size_per_rank * (DATA_ROW_BYTES + 8 * job.model.num_fields)
+    return job.cpu_cache_bytes + 3 * u * row + window_data + 8 * params * 4 + BASE_RANK_BYTES
+
+
+def _device_bytes(job: Job, u: float, params: int) -> float:
+    """Working set rows + the batch's gathered rows and their gradient + dense params, grads,
+    Adam's m and v + activations and their gradients (float32)."""
+    B, D, F = job.batch_size_per_rank, job.dim, job.model.num_fields
+    act = B * (F * D + job.model.num_dense + sum(job.model.hidden) + 1)
+    return u * RowLayout(D).row_bytes + 2 * B * F * (D + 1) * 4 + 4 * params * 4 + 2 * act * 4
+
+
+def _fits(p: Plan, shard_in_ram: bool) -> list[tuple[str, bool | None, str]]:
+    fg, node, job = p.figures, p.node, p.job
+    gib = lambda b: f"{b / 2**30:,.2f} GiB"
+    out: list[tuple[str, bool | None, str]] = []
+    ssd_need = fg["shard_bytes"] * node.ranks_per_ssd
+    if node.ssd_bytes:
+        out.append(("SSD", ssd_need <= node.ssd_bytes,
+                    f"{node.ranks_per_ssd} shard(s) of {gib(fg['shard_bytes'])} on one SSD of {gib(node.ssd_bytes)}"))
+    else:
+        out.append(("SSD", None, f"{node.ranks_per_ssd} shard(s) of {gib(fg['shard_bytes'])} per SSD; "
+                                 "SSD size unknown (--ssd-bytes)"))
+    host_need = fg["host_bytes"] * job.ranks_per_node
+    if node.host_memory_bytes:
+        out.append(("host memory", host_need <= node.host_memory_bytes,
+                    f"{job.ranks_per_node} ranks x {gib(fg['host_bytes'])} (cache {gib(fg['cache_bytes'])}) "
+                    f"of {gib(node.host_memory_bytes)} per node"))
+        out.append(("page cache", shard_in_ram,
+                    "the node's shards fit in the memory the ranks leave free: shard reads at page-cache speed"
+                    if shard_in_ram else "the node's shards exceed free memory: shard reads at disk speed"))
+    else:
+        out.append(("host memory", None, f"{gib(host_need)} per node; node memory unknown (map's memory_gib)"))
+    if node.gpus:
+        if node.gpu_memory_bytes:
+            out.append(("GPU memory", fg["device_bytes"] <= node.gpu_memory_bytes,
+                        f"working set {fg['working_set_rows']:,.0f} rows + batch + dense state = "
+                        f"{gib(fg['device_bytes'])} of {gib(node.gpu_memory_bytes)}"))
+        else:
+            out.append(("GPU memory", None, f"{gib(fg['device_bytes'])} needed; GPU memory unknown (--gpu-memory-bytes)"))
+        if job.ranks_per_node > node.gpus:
+            out.append(("GPUs", False, f"{job.ranks_per_node} ranks per node, {node.gpus} GPUs: one rank per GPU"))
+    if job.ranks_per_node * node.threads_per_rank > node.cpus:
+        out.append(("cpus", False, f"{job.ranks_per_node} ranks x {node.threads_per_rank} threads on {node.cpus} cpus: "
+                                   "oversubscribed, every CPU time stretches"))
+    if fg["table_keys"] > job.keys:
+        out.append(("table", False, f"the data has {fg['table_keys']:,} keys, more than --keys {job.keys:,}"))
+    return out
