@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from data_prep import synth
+from hvctr.bench_report import write_section
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Preprocessing"
@@ -109,20 +110,6 @@ Bayes-optimal AUC of {res['synth_auc']:.4f} (expected, from its true probabiliti
 """
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replaces the ## Preprocessing section of BENCHMARKS.md (or appends it)."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + ("\n" + old[end + 1:] if end >= 0 else "")
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(new)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m data_prep.bench", description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=2_000_000)
@@ -139,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(json.dumps({k: v for k, v in res.items()}, indent=1))
     if not args.no_write:
-        write_section(Path(args.benchmarks), text)
+        write_section(args.benchmarks, SECTION, text)
     return 0
 
 

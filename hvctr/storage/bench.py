@@ -26,11 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from hvctr.bench_report import write_section
 from hvctr.config import CachePolicy, StorageConfig
 from hvctr.keys import default_bucket_owner, mix64
 from hvctr.storage.cache import ENTRY_OVERHEAD_BYTES, RowCache
@@ -337,22 +337,6 @@ def _markdown(r: dict, argv: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: str, text: str) -> None:
-    """Replaces (or appends) this section of a markdown file, via a temporary file."""
-    p = Path(path)
-    old = p.read_text() if p.exists() else "# Benchmarks\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = old.find("\n## ", start + 1)
-        rest = old[nxt + 1:] if nxt >= 0 else ""
-        new = old[:start] + text + ("\n" + rest if rest else "")
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(new)
-    tmp.replace(p)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hvctr.storage.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="shard,cache,policy,exchange")
@@ -386,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             results["exchange"] = bench_exchange(work, args.windows, args.samples, args.cache_rows, args.rows_per_rank)
             print(json.dumps({"exchange": results["exchange"]}), flush=True)
     if args.write:
-        write_section(args.write, _markdown(results, list(argv if argv is not None else sys.argv[1:])))
+        write_section(args.write, SECTION, _markdown(results, list(argv if argv is not None else sys.argv[1:])))
     return 0
 
 
