@@ -1,0 +1,144 @@
+"""``hvctr reshard --checkpoint C --world-size W2 --out DIR``: a checkpoint for another number of ranks.
+
+    hvctr reshard --checkpoint runs/a --world-size 3 --out runs/b/checkpoints
+    mpirun -np 3 ... hvctr train --config runs/a/config.toml --train.run_dir=runs/b --resume
+
+A key's owner is ``bucket_owner[bucket(key)]`` over 4096 virtual buckets (hvctr.keys), so a
+new world size needs a new bucket table, not a rehash of every key. The new table moves as
+few buckets as it can: every rank ends with 4096 // W2 buckets (or one more), and a bucket
+stays with its owner while that owner is below its share. Each new rank file then holds the
+rows (with their optimiser state and TTL pass) of the buckets it owns, read once, rank by
+rank, from the source chain (base plus deltas, the newest value of each key).
+
+The result is one base checkpoint with the source's number: its manifest is written last,
+so a half-written one is no checkpoint. Per new rank r:
+- dense state (parameters, Adam moments and step): source rank r's, rank 0's for new ranks;
+- admission counts: the element-wise maximum of the sketches of the source ranks whose
+  buckets it receives (a count-min sketch over-counts, never under-counts: a key keeps at
+  least its count);
+- TTL pass clock: the source's; the bucket table: the new one, in every file.
+Training state: the same epoch and window; the batch position within the epoch is scaled by
+W / W2, so the run continues after about as many samples (rank r of W2 reads the data shards
+s with s % W2 == r: the same samples in another order, not the same batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from hvctr.checkpoint import FORMAT_VERSION, RowWriter, checkpoint_path, file_sha256, read_manifests
+from hvctr.keys import NUM_BUCKETS, owner_of
+from hvctr.offline.reader import CheckpointReader
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True,
+                   help="a run directory, a checkpoint directory (its newest complete checkpoint) or one ckpt-NNNNNN")
+    p.add_argument("--world-size", type=int, required=True, help="the number of ranks to resume on")
+    p.add_argument("--out", required=True,
+                   help="checkpoint directory to write (e.g. NEW_RUN/checkpoints); must hold no checkpoint")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ValueError(f"hvctr reshard takes no config overrides, got {overrides}")
+    m = reshard(args.checkpoint, args.world_size, args.out)
+    r = m["resharded_from"]
+    print(f"hvctr reshard: checkpoint {m['seq']} from {r['world_size']} to {m['world_size']} ranks -> {args.out}: "
+          f"{r['buckets_moved']} of {NUM_BUCKETS} buckets and {r['rows_moved']:,} of {r['rows']:,} rows moved")
+    return 0
+
+
+def plan_buckets(old: np.ndarray, world_size: int) -> np.ndarray:
+    """A bucket table for ``world_size`` ranks that moves the fewest buckets from ``old``."""
+    if not 1 <= world_size <= NUM_BUCKETS:
+        raise ValueError(f"--world-size must be in 1..{NUM_BUCKETS}, got {world_size}")
+    share = np.full(world_size, NUM_BUCKETS // world_size)
+    share[: NUM_BUCKETS % world_size] += 1
+    new = np.full(NUM_BUCKETS, -1, dtype=np.int64)
+    for rank in range(min(int(old.max()) + 1, world_size)):  # one step per rank, not per bucket
+        new[np.flatnonzero(old == rank)[: share[rank]]] = rank
+    room = share - np.bincount(new[new >= 0], minlength=world_size)
+    new[new < 0] = np.repeat(np.arange(world_size), room)  # the rest, in bucket order, to ranks with room
+    return new.astype(np.int32)
+
+
+def reshard(source: str | Path, world_size: int, out: str | Path) -> dict[str, Any]:
+    """Writes the resharded checkpoint under ``out``; returns its manifest."""
+    reader = CheckpointReader(source)
+    out = Path(out)
+    if out.is_dir() and read_manifests(out):
+        raise ValueError(f"--out {out} already holds checkpoints: choose an empty directory")
+    old = reader.bucket_owner()
+    new = plan_buckets(old, world_size)
+    ckdir = checkpoint_path(out, reader.seq)
+    ckdir.mkdir(parents=True, exist_ok=True)
+    tmps = [ckdir / f"rank-{r:05d}.h5.tmp" for r in range(world_size)]
+    files = [h5py.File(t, "w", libver=("v110", "v110"), track_order=True) for t in tmps]
+    try:
+        writers = [RowWriter(f, reader.width()) for f in files]
+        rows, moved = _move_rows(reader, new, writers)
+        for r, f in enumerate(files):
+            _write_rank_state(f, reader, r, world_size, old, new)
+    finally:
+        for f in files:
+            f.close()
+    records = []
+    for r, tmp in enumerate(tmps):
+        final = tmp.with_suffix("")  # rank-NNNNN.h5
+        os.replace(tmp, final)
+        records.append({"file": final.name, "sha256": file_sha256(final), "bytes": final.stat().st_size,
+                        "rows": writers[r].rows})
+    manifest = _manifest(reader, world_size, records, {
+        "checkpoint": str(reader.path.resolve()), "seq": reader.seq, "world_size": reader.world_size,
+        "buckets_moved": int(np.count_nonzero(old != new)), "rows": rows, "rows_moved": moved})
+    tmp = ckdir / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(tmp, ckdir / "manifest.json")  # the completion marker, last
+    return manifest
+
+
+def _move_rows(reader: CheckpointReader, new: np.ndarray, writers: list[RowWriter]) -> tuple[int, int]:
+    """Every source row to the writer of its new owner; returns (rows, rows that changed rank)."""
+    rows = moved = 0
+    for src_rank in range(reader.world_size):
+        for keys, values, seen in reader.rows(src_rank):
+            dest = owner_of(keys, new)
+            order = np.argsort(dest, kind="stable")
+            bounds = np.searchsorted(dest[order], np.arange(len(writers) + 1))
+            for r in np.flatnonzero(np.diff(bounds)):  # one append per destination rank
+                sel = order[bounds[r]:bounds[r + 1]]
+                writers[r].append(keys[sel], values[sel], seen[sel])
+            rows += keys.shape[0]
+            moved += int(np.count_nonzero(dest != src_rank))
+    return rows, moved
+
+
+def _write_rank_state(f: h5py.File, reader: CheckpointReader, rank: int, world_size: int,
+                      old: np.ndarray, new: np.ndarray) -> None:
+    f.attrs.update({"format_version": FORMAT_VERSION, "seq": reader.seq, "kind": "base", "rank": rank,
+                    "world_size": world_size, "pass_index": reader.pass_index(0)})
+    g = f.create_group("dense", track_order=True)
+    for name, t in reader.dense(rank if rank < reader.world_size else 0).items():
+        g.create_dataset(name, data=t, track_times=False)
+    sources = np.unique(old[new == rank])  # the source ranks whose buckets this rank receives
+    sketches = [s for s in (reader.admission(int(o)) for o in sources) if s is not None]
+    if sketches:
+        f.create_dataset("admission", data=np.maximum.reduce(sketches), track_times=False)
+    f.create_dataset("bucket_owner", data=new, track_times=False)
+
+
+def _manifest(reader: CheckpointReader, world_size: int, files: list[dict], origin: dict) -> dict[str, Any]:
+    m = dict(reader.manifest)
+    state = dict(m["state"])
+    state["batch"] = state["batch"] * reader.world_size // world_size
+    m.update({"format_version": FORMAT_VERSION, "kind": "base", "base_seq": m["seq"], "chain": [m["seq"]],
+              "world_size": world_size, "state": state, "files": files, "resharded_from": origin})
+    return m

@@ -1,0 +1,178 @@
+"""``hvctr score --model DIR --input FILE.tsv``: click probabilities from an export alone.
+
+    hvctr score --model exports/day3 --input day4.tsv --out day4.pred     # one probability per line
+
+A reference for serving code: it reads only the export (hvctr export), parses the input with
+data_prep's parser and key rule (Criteo TSV, or CSV with a header; gzip too), and computes
+what the trainer's evaluation computes for the same rows, bit for bit:
+
+- a key found in the tables reads its (w, w1); a key in none reads the row the trainer's
+  evaluation gives it: its init row from the key, or the shared zero row when admission is on;
+- the rows sit in a full-width row buffer, as in the trainer, so the model reads them through
+  the same strides;
+- batches of the trainer's evaluation size (``--batch-size``, default the run's
+  data.batch_size_per_rank), one torch thread, deterministic algorithms: a matrix product's
+  result for a row depends on the batch's row count and on the thread count.
+
+Every line must parse (the output has one line per input line); the first bad one is an
+error naming its file and line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import h5py
+import numpy as np
+import torch
+
+from data_prep.parse import parse_block
+from data_prep.sources import Unit, iter_blocks, open_sources
+from hvctr.checkpoint import file_sha256
+from hvctr.config import ModelArch, ModelConfig
+from hvctr.keys import owner_of
+from hvctr.metrics import EvalAccumulator
+from hvctr.models import build_model
+from hvctr.offline.export import FORMAT, FORMAT_VERSION
+from hvctr.storage.row import RowLayout, init_rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="an export directory (hvctr export)")
+    p.add_argument("--input", required=True, help="Criteo TSV (or CSV with a header; .gz too), labels included")
+    p.add_argument("--out", help="where to write one probability per input line (default: stdout)")
+    p.add_argument("--batch-size", type=int, default=0, help="rows per forward pass (default: the run's "
+                   "data.batch_size_per_rank, as the trainer's evaluation)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's default is 1)")
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ValueError(f"hvctr score takes no config overrides, got {overrides}")
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    model = ExportedModel(args.model)
+    acc = EvalAccumulator()
+    out = open(args.out + ".tmp", "w") if args.out else sys.stdout
+    try:
+        for labels, logits in score_file(model, args.input, args.batch_size or model.batch_size):
+            np.savetxt(out, torch.sigmoid(logits).numpy(), fmt="%.9g")  # 9 digits: float32 round-trips
+            acc.add_logits(logits, torch.from_numpy(labels))
+    finally:
+        if args.out:
+            out.close()
+    if args.out:
+        os.replace(args.out + ".tmp", args.out)
+    r = acc.result()
+    print(f"hvctr score: {r['count']:,} rows  AUC {r['auc']:.4f}  logloss {r['logloss']:.4f}  COPC {r['copc']:.3f}",
+          file=sys.stderr)
+    return 0
+
+
+class ExportedModel:
+    """An export loaded for scoring: the dense model, the sparse tables, the unseen-key rule.
+
+    The tables are read into memory (the reference scorer's simplification; a server maps them).
+    """
+
+    def __init__(self, model_dir: str | Path, verify: bool = True) -> None:
+        self.dir = Path(model_dir)
+        path = self.dir / "manifest.json"
+        if not path.is_file():
+            raise ValueError(f"{self.dir} is not an hvctr export: {path} is missing")
+        m = json.loads(path.read_text())
+        if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}, "
+                             f"this hvctr reads {FORMAT!r} version {FORMAT_VERSION}")
+        if verify:
+            for rec in m["files"]:
+                f = self.dir / rec["file"]
+                if not f.is_file() or f.stat().st_size != rec["bytes"] or file_sha256(f) != rec["sha256"]:
+                    raise ValueError(f"{f} is missing or does not match its checksum in {path}")
+        self.manifest = m
+        self.dim = int(m["model"]["dim"])
+        self.layout = RowLayout(self.dim)
+        self.batch_size = int(m["batch_size"])
+        self.unseen = m["unseen_keys"]
+        self.model = self._load_dense(m)
+        self.keys, self.weights = [], []
+        for rank in range(m["world_size"]):
+            with h5py.File(self.dir / "sparse" / f"rank-{rank:05d}.h5", "r") as f:
+                self.keys.append(f["keys"][...])
+                self.weights.append(f["weights"][...])
+                if rank == 0:
+                    self.bucket_owner = f["bucket_owner"][...]
+
+    def _load_dense(self, m: dict) -> torch.nn.Module:
+        mc = m["model"]
+        cfg = ModelConfig(arch=ModelArch(mc["arch"]), hidden=tuple(mc["hidden"]), num_dense=mc["num_dense"],
+                          num_fields=mc["num_fields"])
+        model = build_model(cfg, self.dim)
+        with h5py.File(self.dir / "dense.h5", "r") as f:
+            state = {name: torch.from_numpy(f[name][...]) for name in m["dense"]}
+        model.load_state_dict(state, strict=True)
+        return model.eval()
+
+    def rows(self, keys: np.ndarray) -> np.ndarray:
+        """Full-width rows [n, width] of unique keys: w | w1 filled, optimiser columns zero."""
+        out = np.zeros((keys.shape[0], self.layout.width), dtype=np.float32)
+        found = np.zeros(keys.shape[0], dtype=bool)
+        owner = owner_of(keys, self.bucket_owner)
+        for rank, (tk, tw) in enumerate(zip(self.keys, self.weights)):  # one vectorised search per table
+            sel = np.flatnonzero(owner == rank)
+            if sel.size == 0 or tk.size == 0:
+                continue
+            pos = np.minimum(np.searchsorted(tk, keys[sel]), tk.size - 1)
+            hit = tk[pos] == keys[sel]
+            out[sel[hit], :self.dim + 1] = tw[pos[hit]]
+            found[sel[hit]] = True
+        if self.unseen["row"] == "init":  # else: the shared zero row, as out already holds
+            miss = np.flatnonzero(~found)
+            out[miss] = init_rows(keys[miss], self.layout, self.unseen["init_scale"], self.unseen["seed"])
+        return out
+
+    @torch.no_grad()
+    def logits(self, dense: np.ndarray, keys: np.ndarray) -> torch.Tensor:
+        """Logits [B] of a batch: dense float32 [B, 13], keys uint64 [B, 26]; as Trainer.evaluate."""
+        uniq, inv = np.unique(keys.reshape(-1), return_inverse=True)
+        rows = torch.from_numpy(self.rows(uniq))
+        g = rows[torch.from_numpy(inv.reshape(keys.shape))]
+        return self.model(torch.from_numpy(dense), g[..., : self.dim], g[..., self.dim])
+
+
+def read_rows(path: str) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(labels, dense, keys) of every line of a Criteo file, in order, block by block."""
+    src = open_sources([path])[0]
+    lines_before = 0
+    for data, _ in iter_blocks(src, Unit(0, 0, 0, src.size)):
+        blk = parse_block(data, src.fmt)
+        if blk.bad:
+            index, reason = blk.bad[0]
+            raise ValueError(f"{path}:{src.header_lines + lines_before + index + 1}: {reason} "
+                             f"(hvctr score needs every line well formed)")
+        lines_before += blk.num_lines
+        yield blk.labels, blk.dense, blk.keys
+
+
+def score_file(model: ExportedModel, path: str, batch_size: int) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
+    """(labels, logits) of consecutive batches of ``batch_size`` rows (the last may be short)."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    held = 0
+    for part in read_rows(path):
+        pending.append(part)
+        held += part[0].shape[0]
+        while held >= batch_size:
+            labels, dense, keys = (np.concatenate(c) for c in zip(*pending))
+            yield labels[:batch_size], model.logits(dense[:batch_size], keys[:batch_size])
+            pending = [(labels[batch_size:], dense[batch_size:], keys[batch_size:])]
+            held -= batch_size
+    if held:
+        labels, dense, keys = (np.concatenate(c) for c in zip(*pending))
+        yield labels, model.logits(dense, keys)
