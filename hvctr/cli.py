@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("hvctr.config_cmd", "print the resolved configuration (defaults < file < flags) as TOML"),
     "topo": ("hvctr.topo.cmd", "discover the node's hardware map (TOML), or print the placement plan of its ranks"),
     "plan": ("hvctr.plan.cmd", "how much SSD, host and GPU memory a table needs per rank, bytes and time per step"),
+    "bench": ("hvctr.bench_suite", "run every benchmark: BENCHMARKS.md and its plots (--quick: 5 min; --calibrate: rates for plan)"),
     "export": ("hvctr.offline.export", "write a run's model for serving: sorted key -> (w, w1) tables, dense tensors, manifest"),
     "score": ("hvctr.offline.score", "predict click probabilities for a Criteo file from an export alone"),
     "reshard": ("hvctr.offline.reshard", "rewrite a checkpoint for another number of ranks (moves whole buckets)"),

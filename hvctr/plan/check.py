@@ -3,7 +3,8 @@
     python -m hvctr.plan.check [--rows 300000] [--ranks 1,2,3] [--modes sync,1,4,8] [--write BENCHMARKS.md]
 
 1. Synthetic data (data_prep synth + criteo, 8 shards), as the training benchmark makes it.
-2. This machine's rates, measured just before the runs (``--rates`` to reuse a file).
+2. This machine's rates, measured just before each group of runs with the same number of
+   ranks (other jobs on a shared machine come and go); ``--rates`` to use a file instead.
 3. One ``hvctr train`` per (ranks, mode): the DNN of the defaults, batch 4096 per rank.
 4. For each run, the plan of the same job (``--data``: the unique-key curve of this data;
    the vm-2cpu map; one torch thread per rank, as an unbound rank runs), and:
@@ -33,7 +34,7 @@ from hvctr.bench_report import machine_line, write_section
 from hvctr.config import MergeMode
 from hvctr.plan.keyfreq import KeyCurve, data_curve
 from hvctr.plan.model import Job, dense_payload_bytes, dense_params, plan, sparse_bytes_per_window
-from hvctr.plan.rates import RatesFile, load_rates
+from hvctr.plan.rates import Rates, RatesFile, load_rates, write_rates
 
 REPO = Path(__file__).resolve().parents[2]
 SECTION = "## Planner: predicted vs measured"
@@ -57,8 +58,11 @@ def predict(job: Job, node, rates: RatesFile, curve: KeyCurve, steps: int) -> di
     dense = payload * (steps if job.mode is MergeMode.SYNC else len(wins))
     entry = rates.for_ranks(job.ranks_per_node)
     seconds = sum(plan(replace(job, every_k_steps=n), node, entry, curve).figures["step_s"] * n for n in wins[1:])
+    f = plan(job, node, entry, curve).figures
+    split = {k: f[f"{k}_s_per_step"] for k in ("compute", "pull", "merge")}
+    split["prep"] = max(f["step_s"] - sum(split.values()), 0.0)  # the prefetch time not hidden
     return {"sparse_bytes": sparse, "dense_bytes": dense, "timed_steps": sum(wins[1:]), "timed_s": seconds,
-            "step_s": plan(job, node, entry, curve).figures["step_s"]}
+            "step_s": f["step_s"], "split_s": split}
 
 
 def measured(run_dir: Path) -> dict[str, float]:
@@ -87,22 +91,34 @@ def _train(work: Path, data: Path, ranks: int, mode: str) -> Path:
     return run_dir
 
 
-def check(work: Path, rows: int, ranks: list[int], modes: list[str], rates_path: str | None) -> dict[str, Any]:
-    from hvctr.plan.calibrate import calibrate
-    from hvctr.plan.cmd import job_from, node_info
+def _rates_for(work: Path, ranks: int, rates_path: str | None, quick: bool) -> RatesFile:
+    """The given rates file, or an entry measured now with min(ranks, cpus) ranks side by side."""
+    from hvctr.plan.calibrate import run_ranks
+
+    if rates_path:
+        return load_rates(rates_path)
+    r = min(ranks, os.cpu_count() or 1)
+    load = os.getloadavg()[0]
+    res = run_ranks(r, work, quick)
+    return RatesFile(name="this machine", source=f"measured with {r} rank(s) just before these runs, load average "
+                                                 f"{load:.1f}", entries=(Rates(ranks_per_node=r, **res["rates"]),))
+
+
+def check(work: Path, rows: int, ranks: list[int], modes: list[str], rates_path: str | None,
+          quick_calibration: bool = True) -> dict[str, Any]:
     from hvctr.config import load_config
+    from hvctr.plan.cmd import job_from, node_info
     from hvctr.topo.hwmap import load_map
     from hvctr.train.bench import make_data
 
     data, _ = make_data(work, rows)
     curve = data_curve(str(data))
-    if rates_path is None:
-        rates_path = str(work / "rates.toml")
-        calibrate(rates_path, sorted({min(r, os.cpu_count() or 1) for r in ranks}), quick=False)
-    rates = load_rates(rates_path)
     hwmap = load_map(MAP)
-    out = []
+    out, measured_rates = [], {}
     for w in ranks:
+        # Rates measured right before each group of runs: other jobs on the machine come and go.
+        rates = _rates_for(work, w, rates_path, quick_calibration)
+        measured_rates.update({e.ranks_per_node: e for e in rates.entries})
         node = node_info(hwmap, w, threads=1)
         for mode in modes:
             run_dir = _train(work, data, w, mode)
@@ -111,10 +127,14 @@ def check(work: Path, rows: int, ranks: list[int], modes: list[str], rates_path:
             job = job_from(load_config(None, flags), 1, w, int(curve.keys), int(curve.rows[-1]))
             p = predict(job, node, rates, curve, m["steps"])
             out.append({"ranks": w, "mode": mode, "oversubscribed": w > (os.cpu_count() or 1),
-                        "measured": m, "predicted": p, "load": os.getloadavg()[0]})
+                        "measured": m, "predicted": p, "load": os.getloadavg()[0], "rates_source": rates.source})
             print(json.dumps(out[-1]), flush=True)
-    return {"rows": rows, "rates": rates_path, "rates_source": rates.source, "results": out,
-            "curve": curve.source}
+    every = RatesFile(name="this machine", source=f"measured by python -m hvctr.plan.check, {time.strftime('%Y-%m-%d %H:%M')}",
+                      entries=tuple(measured_rates[r] for r in sorted(measured_rates)))
+    write_rates(every, work / "rates.toml")
+    return {"rows": rows, "rates": rates_path or str(work / "rates.toml"), "results": out, "curve": curve.source,
+            "rates_source": rates_path and load_rates(rates_path).source
+            or "measured with the runs' rank count (at most the cpus) just before each group of runs"}
 
 
 def _err(pred: float, meas: float) -> float:
@@ -125,7 +145,7 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
     lines = [SECTION, "", f"Command: `{command}`  ", f"Machine: {machine}  ",
              f"Data: {res['rows']:,} synthetic rows (data_prep synth, 8 shards, 9.09% held out); keys: {res['curve']}. "
              "Model: DNN 26 x 16 dims, MLP 512-256-1, batch 4096 per rank, one epoch, one torch thread per rank, "
-             "cache holding the whole table. Rates measured just before the runs: " + res["rates_source"] + ".",
+             "cache holding the whole table. Rates: " + res["rates_source"] + ".",
              "", "Bytes are per step, rank 0's counters (sparse: pull + warm + push; dense: the merge's payload) "
              "against the plan summed over the run's windows. Step time: from the progress records after the first "
              f"window to the last. Bounds: bytes within {BYTES_BOUND:.0%}, step time within {TIME_BOUND:.0%}; 3 ranks "
@@ -154,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=300_000)
     p.add_argument("--ranks", default="1,2,3")
     p.add_argument("--modes", default="sync,1,4,8", help="sync and values of k")
-    p.add_argument("--rates", default=None, help="a rates file to use instead of measuring now")
+    p.add_argument("--rates", default=None, help="a rates file to use instead of measuring before each group")
+    p.add_argument("--rates-out", default="", help="also copy the rates measured here to this file")
+    p.add_argument("--full-calibration", action="store_true", help="more repeats in each calibration")
     p.add_argument("--work-dir", help="scratch directory (kept; data is reused when present)")
     p.add_argument("--write", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update ('' : none)")
     args = p.parse_args(argv)
@@ -163,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hvctr-plan-check-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    res = check(work, args.rows, [int(x) for x in args.ranks.split(",")], args.modes.split(","), args.rates)
+    res = check(work, args.rows, [int(x) for x in args.ranks.split(",")], args.modes.split(","), args.rates,
+                quick_calibration=not args.full_calibration)
+    if args.rates_out and not args.rates:
+        Path(args.rates_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.rates_out).write_text((work / "rates.toml").read_text())
     (work / "check.json").write_text(json.dumps(res, indent=1))
     text = render(res, command.strip(), machine) + f"\nWall time: {(time.time() - t0) / 60:.1f} min, load average " \
                                                    f"{os.getloadavg()[0]:.1f} at the end.\n"

@@ -1,0 +1,228 @@
+"""``hvctr bench``: every benchmark, BENCHMARKS.md and its plots (bench/*.png), from scratch.
+
+    hvctr bench                # the whole suite: about 25 minutes on this machine (2 cores)
+    hvctr bench --quick        # smaller data, fewer repeats: under 5 minutes
+    hvctr bench --calibrate    # only this machine's rates for hvctr plan (bench/rates.toml)
+    hvctr bench --only training,planner --dry-run
+
+Each part is one benchmark module run as its own process (its threads, its MPI jobs), in
+this order; each replaces its own "## " section of BENCHMARKS.md:
+
+    preprocessing  data_prep.bench         TSV -> shards, 1 vs 2 processes
+    store          hvctr.storage.bench     shard reads, cache lookups, policies, 2-rank pull + push
+    sparse         hvctr.optim.bench       the sparse path of a step against the MLP step
+    placement      hvctr.topo.bench        pinned vs unpinned vs packed ranks
+    training       hvctr.train.bench       hvctr vs plain PyTorch vs the MLP ceiling, k sweep, fp16, out of core
+    planner        hvctr.plan.check        hvctr plan's predictions against runs (writes bench/rates.toml)
+
+A module that prints its figures instead of writing a section gets one written here: its
+command, the machine, and what it printed. Then the plots (hvctr.bench_plots) and a "## Plots"
+section with the wall time of every part. A part that fails is reported and the rest run;
+the exit code is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hvctr.bench_report import machine_line, write_section
+
+REPO = Path(__file__).resolve().parents[1]
+VM_MAP = "slurm/hwmaps/vm-2cpu.toml"
+
+
+@dataclass(frozen=True)
+class Part:
+    module: str
+    heading: str
+    full: tuple[str, ...]  # arguments of the whole suite; {md}, {work}, {rates} are filled in
+    quick: tuple[str, ...]
+    writes_section: bool  # the module writes its own section of {md}
+    timeout_s: int
+
+
+PARTS: dict[str, Part] = {
+    "preprocessing": Part("data_prep.bench", "## Preprocessing", ("--rows", "2000000", "--repeat", "2", "--benchmarks", "{md}"),
+                          ("--rows", "200000", "--repeat", "1", "--benchmarks", "{md}"), True, 900),
+    "store": Part("hvctr.storage.bench", "## Embedding store", ("--write", "{md}"),
+                  ("--repeats", "3", "--shard-rows", "200000", "--policy-keys", "50000", "--windows", "4",
+                   "--write", "{md}"), True, 900),
+    "sparse": Part("hvctr.optim.bench", "## Sparse path", ("--repeats", "15"), ("--repeats", "3"), False, 600),
+    "placement": Part("hvctr.topo.bench", "## Placement", ("--map", VM_MAP, "--rounds", "5"),
+                      ("--map", VM_MAP, "--rounds", "1", "--mib", "64", "--iters", "3"), False, 900),
+    "training": Part("hvctr.train.bench", "## Training", ("--work-dir", "{work}/training", "--benchmarks", "{md}"),
+                     ("--quick", "--work-dir", "{work}/training", "--benchmarks", "{md}"), True, 2400),
+    "planner": Part("hvctr.plan.check", "## Planner: predicted vs measured",
+                    ("--work-dir", "{work}/planner", "--write", "{md}", "--rates-out", "{rates}"),
+                    ("--rows", "100000", "--ranks", "1,2", "--modes", "sync,8", "--work-dir", "{work}/planner",
+                     "--write", "{md}", "--rates-out", "{rates}"), True, 1800),
+}
+PLOTS_SECTION = "## Plots"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="smaller data and fewer repeats: under 5 minutes")
+    p.add_argument("--calibrate", action="store_true",
+                   help="only measure this machine's rates for hvctr plan, into --rates")
+    p.add_argument("--only", default="", help=f"comma-separated parts to run (of {', '.join(PARTS)})")
+    p.add_argument("--skip", default="", help="comma-separated parts not to run")
+    p.add_argument("--benchmarks", default=str(REPO / "BENCHMARKS.md"), help="the markdown file to regenerate")
+    p.add_argument("--plots-dir", default=str(REPO / "bench"), help="where the PNG plots go")
+    p.add_argument("--rates", default=str(REPO / "bench" / "rates.toml"), help="the rates file calibration writes")
+    p.add_argument("--work-dir", help="scratch directory (default: a fresh temporary one, kept: logs and results)")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+
+
+def selected(only: str, skip: str) -> list[str]:
+    names = [n for n in only.split(",") if n] or list(PARTS)
+    dropped = [n for n in skip.split(",") if n]
+    unknown = sorted(set(names + dropped) - set(PARTS))
+    if unknown:
+        raise ValueError(f"unknown benchmark part(s) {unknown}; parts: {', '.join(PARTS)}")
+    return [n for n in PARTS if n in names and n not in dropped]
+
+
+def command(part: Part, quick: bool, md: str, work: str, rates: str) -> list[str]:
+    args = [a.format(md=md, work=work, rates=rates) for a in (part.quick if quick else part.full)]
+    return [sys.executable, "-m", part.module, *args]
+
+
+def _fallback_section(part: Part, cmd: list[str], output: str) -> str:
+    shown = " ".join(["python", *cmd[1:]]).replace(str(REPO) + "/", "")
+    body = "\n".join(line for line in output.splitlines() if line.strip())
+    return (f"{part.heading}\n\nCommand: `{shown}`  \nMachine: {machine_line()}\n\n"
+            f"What it printed (one JSON line per measurement, medians over interleaved rounds):\n\n"
+            f"```\n{body}\n```\n")
+
+
+def run_part(name: str, cmd: list[str], md: Path, log: Path) -> tuple[bool, float]:
+    part = PARTS[name]
+    before = md.read_text() if md.exists() else ""
+    t0 = time.time()
+    print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
+    try:
+        with open(log, "w") as f:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, timeout=part.timeout_s)
+        ok = r.returncode == 0
+    except subprocess.TimeoutExpired:
+        ok = False
+    seconds = time.time() - t0
+    if not ok:
+        print(f"[bench] {name} FAILED after {seconds:.0f} s; see {log}", flush=True)
+        return False, seconds
+    after = md.read_text() if md.exists() else ""
+    if not part.writes_section and after == before:  # the module printed its figures: keep them
+        write_section(md, part.heading, _fallback_section(part, cmd, log.read_text()))
+    print(f"[bench] {name} done in {seconds:.0f} s", flush=True)
+    return True, seconds
+
+
+def _cache_sweep(quick: bool) -> tuple[list[dict], list[tuple[float, float]], int]:
+    """Hit rates of LRU and LFU on Zipf(1.1) keys over cache sizes, and the planner's model."""
+    from hvctr.plan.keyfreq import zipf_curve
+    from hvctr.storage.bench import bench_policy
+
+    n_keys, batch = (50_000, 2048) if quick else (200_000, 2048)
+    fracs = [0.01, 0.05, 0.2] if quick else [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5]
+    policy = bench_policy(n_keys, 300 if quick else 1000, batch, fracs)
+    curve = zipf_curve(n_keys, 1.1, fields=1)
+    grid = [0.002 * 1.25 ** i for i in range(32) if 0.002 * 1.25 ** i < 0.9]
+    return policy, [(f, curve.hit_rate(batch, f * n_keys)) for f in grid], n_keys
+
+
+def make_plots(work: Path, plots: Path, quick: bool) -> list[str]:
+    from hvctr import bench_plots
+
+    plots.mkdir(parents=True, exist_ok=True)
+    made = []
+    train_json, check_json = work / "training" / "results.json", work / "planner" / "check.json"
+    train = json.loads(train_json.read_text()) if train_json.exists() else None
+    check = json.loads(check_json.read_text()) if check_json.exists() else None
+    if train:
+        bench_plots.plot_k_sweep(train, plots / "k_sweep.png")
+        made.append("k_sweep.png")
+    policy, model, n_keys = _cache_sweep(quick)
+    bench_plots.plot_cache_hits(policy, model, n_keys, plots / "cache_hit.png")
+    made.append("cache_hit.png")
+    if train or check:
+        bench_plots.plot_time_split(train, check, plots / "time_split.png")
+        made.append("time_split.png")
+    return made
+
+
+def plots_section(made: list[str], plots: Path, md: Path, times: dict[str, tuple[bool, float]], argv: list[str]) -> str:
+    rel = os.path.relpath(plots, md.parent)
+    what = {"k_sweep.png": "samples/s and AUC against k (training)",
+            "cache_hit.png": "CPU cache hit rate against cache size: LRU, LFU with aging, the planner's ideal cache",
+            "time_split.png": "where a step's time goes: the training runs, and the planner against its check runs"}
+    lines = [PLOTS_SECTION, "", f"Command: `hvctr bench {' '.join(argv)}`".rstrip() + "  ", f"Machine: {machine_line()}", ""]
+    lines += [f"- {what[m]}: ![{m}]({rel}/{m})" for m in made]
+    lines += ["", "Wall time of each part: " + ", ".join(
+        f"{n} {s / 60:.1f} min" + ("" if ok else " (FAILED)") for n, (ok, s) in times.items())
+        + f"; in all {sum(s for _, s in times.values()) / 60:.1f} min."]
+    return "\n".join(lines) + "\n"
+
+
+def order_sections(md: Path) -> None:
+    """Puts the suite's sections in its order (others after them, as they were)."""
+    text = md.read_text()
+    head, *chunks = text.split("\n## ")
+    sections = {"## " + c.split("\n", 1)[0]: "## " + c.rstrip("\n") for c in chunks}
+    order = [p.heading for p in PARTS.values()] + [PLOTS_SECTION]
+    ordered = [sections.pop(h) for h in order if h in sections] + list(sections.values())
+    tmp = md.with_name(md.name + ".tmp")
+    tmp.write_text(head.rstrip("\n") + "\n\n" + "\n\n".join(ordered) + "\n")
+    os.replace(tmp, md)
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ValueError(f"hvctr bench takes no config overrides, got {overrides}")
+    if args.calibrate:
+        from hvctr.plan.calibrate import calibrate, default_ranks
+
+        if args.dry_run:
+            print(f"calibrate {default_ranks()} ranks -> {args.rates}")
+            return 0
+        rf = calibrate(args.rates, default_ranks(), args.quick)
+        print(f"wrote {args.rates}: {rf.source}")
+        return 0
+    names = selected(args.only, args.skip)
+    md = Path(args.benchmarks).resolve()
+    work = Path(args.work_dir or ("WORK_DIR" if args.dry_run else tempfile.mkdtemp(prefix="hvctr-bench-"))).resolve()
+    cmds = {n: command(PARTS[n], args.quick, str(md), str(work), str(Path(args.rates).resolve())) for n in names}
+    if args.dry_run:
+        for n, c in cmds.items():
+            print(f"{n}: {' '.join(c)}")
+        return 0
+    work.mkdir(parents=True, exist_ok=True)
+    if not md.exists():
+        md.write_text("# Benchmarks\n")
+    times = {n: run_part(n, c, md, work / f"{n}.log") for n, c in cmds.items()}
+    t0 = time.time()
+    made = make_plots(work, Path(args.plots_dir), args.quick)
+    times["plots"] = (True, time.time() - t0)
+    argv = (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else []) + (
+        [f"--skip {args.skip}"] if args.skip else [])
+    write_section(md, PLOTS_SECTION, plots_section(made, Path(args.plots_dir), md, times, argv))
+    order_sections(md)
+    print(f"[bench] BENCHMARKS.md and {len(made)} plots written; work directory {work}")
+    return 0 if all(ok for ok, _ in times.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hvctr.bench_suite", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv), [])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
