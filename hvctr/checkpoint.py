@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import h5py
 import numpy as np
 
-from hvctr.dist.world import AgreedError
+from hvctr.dist.world import AgreedError, group_errors, raise_agreed
 from hvctr.keys import default_bucket_owner
 from hvctr.log import get_logger
 from hvctr.storage.shard import check_free_space
@@ -247,13 +247,17 @@ class CheckpointManager:
         chain = [seq] if is_base else self._last["chain"] + [seq]
         ckdir = self.dir / f"{_PREFIX}{seq:06d}"
         path = ckdir / _rank_file(self.comm.rank)
-        rows_written = self._write_rank_file(path, seq, "base" if is_base else "delta", dense, store)
+        try:
+            rows_written = self._write_rank_file(path, seq, "base" if is_base else "delta", dense, store)
+            mine = {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size,
+                    "rows": rows_written}
+        except CheckpointWriteError as e:  # this rank's disk: the others learn it in the allgather
+            mine = {"error": str(e)}
+        # comm: allgather of every rank's file record or error (also the barrier before the manifest)
+        files = self.comm.allgather_object(mine, name=f"ckpt{seq}.files")
+        raise_agreed(group_errors([f.get("error") for f in files]), self.comm.rank, self.comm.size)
         store.mark_checkpoint()
         self._force_base = False
-        mine = {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size,
-                "rows": rows_written}
-        # comm: allgather of every rank's file record (also the barrier before the manifest)
-        files = self.comm.allgather_object(mine, name=f"ckpt{seq}.files")
         manifest = {"format_version": FORMAT_VERSION, "seq": seq, "kind": "base" if is_base else "delta",
                     "base_seq": base_seq, "chain": chain, "world_size": self.comm.size,
                     "state": asdict(state), "files": files, **extra}

@@ -18,14 +18,16 @@ from __future__ import annotations
 import json
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 import horovod.torch as hvd
 
-from hvctr.dist.world import world_rank  # noqa: F401 (callers import it from here too)
+from hvctr.dist.world import group_errors, raise_agreed, world_rank  # noqa: F401 (world_rank: callers import it here)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -137,6 +139,21 @@ class Comm:
         data = hvd.allgather(payload, name=f"{name}.data")
         parts = torch.split(data, lengths.tolist())
         return [_decode(p) for p in parts]
+
+    def agree(self, fn: Callable[[], T], name: str) -> T:
+        """``fn()`` on every rank; if it raised ValueError on any, every rank raises AgreedError.
+
+        For a step where one rank's input can fail (its shard file, its disk) while the others
+        go on to the next collective: they would wait there for good. Rank 0 reports every
+        distinct message once, with the ranks that hit it. ``fn`` must not communicate.
+        """
+        try:
+            result, error = fn(), None
+        except ValueError as e:
+            result, error = None, str(e)
+        # comm: allgather of every rank's error (None when it succeeded)
+        raise_agreed(group_errors(self.allgather_object(error, name=name)), self.rank, self.size)
+        return result
 
     def barrier(self) -> None:
         # comm: barrier

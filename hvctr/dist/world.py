@@ -58,15 +58,19 @@ def agree_on_errors(error: str | None) -> list[tuple[str, list[int]]]:
     data = np.empty(int(lengths.sum()), dtype=np.uint8)
     world.Allgatherv(payload, [data, lengths])
     offsets = np.concatenate(([0], np.cumsum(lengths)))
+    return group_errors([json.loads(data[offsets[r]:offsets[r + 1]].tobytes().decode()) for r in range(lengths.size)])
+
+
+def group_errors(per_rank: list[str | None]) -> list[tuple[str, list[int]]]:
+    """[(message, ranks that hit it)] from each rank's error or None, in order of first rank."""
     found: dict[str, list[int]] = {}
-    for r in range(lengths.size):
-        msg = json.loads(data[offsets[r]:offsets[r + 1]].tobytes().decode())
+    for r, msg in enumerate(per_rank):
         if msg is not None:
             found.setdefault(msg, []).append(r)
     return list(found.items())
 
 
-def raise_agreed(errors: list[tuple[str, list[int]]], size: int) -> None:
+def raise_agreed(errors: list[tuple[str, list[int]]], rank: int, size: int) -> None:
     """Raises AgreedError for the gathered errors (reported by rank 0 only); no-op when none."""
     if not errors:
         return
@@ -74,7 +78,7 @@ def raise_agreed(errors: list[tuple[str, list[int]]], size: int) -> None:
     for msg, ranks in errors:
         who = "every rank" if len(ranks) == size else "rank " + ",".join(map(str, ranks))
         lines.append(msg if len(errors) == 1 and len(ranks) == size else f"{who}: {msg}")
-    raise AgreedError("\n".join(lines), report=world_rank() == 0)
+    raise AgreedError("\n".join(lines), report=rank == 0)
 
 
 def check_collectively(check, size: int):
@@ -86,7 +90,7 @@ def check_collectively(check, size: int):
         result, error = check(), None
     except ValueError as e:
         result, error = None, str(e)
-    raise_agreed(agree_on_errors(error), size)
+    raise_agreed(agree_on_errors(error), world_rank(), size)
     return result
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from hvctr.config import DataConfig
 from hvctr.data import NUM_DENSE, NUM_FIELDS, ShardReader
+from hvctr.dist.world import AgreedError
 from hvctr.log import get_logger
 
 log = get_logger(__name__)
@@ -52,14 +53,16 @@ class TrainData:
         if not cfg.train_dir:
             raise ValueError("config key 'data.train_dir' is empty: point it at a data_prep output directory")
         self.cfg, self.comm = cfg, comm
-        self._reader = ShardReader(cfg.train_dir, "train", comm.rank, comm.size, cfg.batch_size_per_rank,
-                                   verify=verify)
+        # comm: allgather of open/verify errors: a damaged shard is one rank's, and the others
+        # must not wait for it in the allreduce below
+        self._reader = comm.agree(lambda: ShardReader(cfg.train_dir, "train", comm.rank, comm.size,
+                                                      cfg.batch_size_per_rank, verify=verify), name="data.open")
         mine = self._reader.num_batches
         # comm: allreduce (Min) of the full batches each rank holds: the batches per epoch
         (self.batches_per_epoch,) = comm.allreduce_min_int([mine], name="data.batches_per_epoch")
         if self.batches_per_epoch == 0:
-            raise ValueError(f"{cfg.train_dir}: some rank has fewer rows than one batch "
-                             f"(data.batch_size_per_rank={cfg.batch_size_per_rank}); lower it or add data")
+            raise AgreedError(f"{cfg.train_dir}: some rank has fewer rows than one batch (data.batch_size_per_rank="
+                              f"{cfg.batch_size_per_rank}); lower it or add data", report=comm.rank == 0)
         self.dropped_batches = mine - self.batches_per_epoch
         self.dropped_rows = self._reader.rows - self.batches_per_epoch * cfg.batch_size_per_rank
 

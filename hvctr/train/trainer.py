@@ -80,8 +80,10 @@ class Trainer:
         # Always a fresh working shard: on resume it is rebuilt from the checkpoint's chain.
         shard_dir = Path(self.cfg.storage.shard_dir or self.run_dir / "shards")
         shard_dir.mkdir(parents=True, exist_ok=True)
-        store = EmbeddingStore(self.cfg.storage, shard_path(shard_dir, self.comm.rank), rank=self.comm.rank,
-                               world_size=self.comm.size, bucket_owner=owner, create=True)
+        # comm: allgather of shard-creation errors (a full disk is one rank's: no rank waits alone)
+        store = self.comm.agree(lambda: EmbeddingStore(self.cfg.storage, shard_path(shard_dir, self.comm.rank),
+                                                       rank=self.comm.rank, world_size=self.comm.size,
+                                                       bucket_owner=owner, create=True), name="shard.create")
         return store, ShardedTable(self.comm, store, owner, self.device)
 
     def _build_reducer(self) -> KStepMerger | SyncGradients:
