@@ -13,7 +13,8 @@ is measured is hvctr's own code on the sizes training uses:
   per row; the rest of the step, loss and Python included, is the dense FLOP rate;
 - np.unique with inverse on uint64 keys; host memory copies;
 - an EmbeddingStore on a fresh shard: rows created, cache hits, cache writes, shard rows
-  warmed from the page cache and from the disk (page cache dropped, the store reopened);
+  warmed from the page cache; and random rows of a larger shard warmed from the disk (its
+  pages dropped from the page cache, the store reopened);
 - data rows read from an HDF5 file laid out as a data shard;
 - Horovod alltoall and grouped allreduce through hvctr.dist: the latency of a tiny one and
   the bytes per second of a large one (with one rank nothing crosses between ranks).
@@ -136,7 +137,7 @@ def store_rates(work: str, batches: int) -> dict[str, float]:
 
     n = 1 << 15
     cfg = StorageConfig(dim=DIM, rows_per_rank=max(4 * batches * n, 1 << 18), cpu_cache_bytes=256 << 20)
-    path = os.path.join(work, "calibrate-shard.h5")
+    path = os.path.join(work, "calibrate-store.h5")
     keys = [mix64(np.arange(n, dtype=np.uint64) + np.uint64((b + 1) << 40)) for b in range(batches)]
     t: dict[str, list[float]] = {}
 
@@ -156,15 +157,44 @@ def store_rates(work: str, batches: int) -> dict[str, float]:
     for k in keys:  # rows on the shard, the file's pages in the page cache
         timed("shard", lambda: store.warm(k))
     store.close()
-    _drop_page_cache(path)
-    store = EmbeddingStore(cfg, path, create=False)
-    for k in keys:
-        timed("disk", lambda: store.warm(k))
-    store.close()
     os.unlink(path)
     rate = {name: n / statistics.median(v) for name, v in t.items()}
     return {"new_rows_per_s": rate["new"], "cache_rows_per_s": rate["hit"], "cache_write_rows_per_s": rate["write"],
-            "shard_rows_per_s": rate["shard"], "disk_rows_per_s": rate["disk"]}
+            "shard_rows_per_s": rate["shard"]}
+
+
+def disk_rate(work: str, shard_rows: int, reads: int, repeats: int) -> dict[str, float]:
+    """Rows/s of the store's warm (index probe, row read, cache insert) for random rows of a
+    shard whose pages were dropped from the page cache: one 4 KiB page or more per row, as
+    a window's rows are in a table far larger than the window."""
+    from hvctr.config import StorageConfig
+    from hvctr.keys import default_bucket_owner, mix64
+    from hvctr.storage import EmbeddingStore
+    from hvctr.storage.row import RowLayout
+    from hvctr.storage.shard import Shard
+
+    path = os.path.join(work, "calibrate-disk.h5")
+    cfg = StorageConfig(dim=DIM, rows_per_rank=shard_rows, cpu_cache_bytes=64 << 20)
+    shard = Shard.create(path, dim=DIM, capacity=shard_rows, world_size=1, rank=0, bucket_owner=default_bucket_owner(1),
+                         seed=cfg.seed, init_scale=0.01, max_load_factor=cfg.max_load_factor)
+    keys = mix64(np.arange(shard_rows, dtype=np.uint64) + np.uint64(77 << 40))
+    zeros = np.zeros((1 << 16, RowLayout(DIM).width), dtype=np.float32)
+    for a in range(0, shard_rows, 1 << 16):
+        k = keys[a:a + (1 << 16)]
+        shard.write_rows(shard.insert(k), k, zeros[:k.size])
+    shard.close()
+    rng = np.random.default_rng(5)
+    times = []
+    for _ in range(repeats):
+        _drop_page_cache(path)
+        store = EmbeddingStore(cfg, path, create=False)
+        pick = keys[rng.choice(shard_rows, size=reads, replace=False)]
+        t0 = time.perf_counter()
+        store.warm(pick)
+        times.append(time.perf_counter() - t0)
+        store.close()
+    os.unlink(path)
+    return {"disk_rows_per_s": reads / statistics.median(times)}
 
 
 def data_rate(work: str, reps: int) -> dict[str, float]:
@@ -227,7 +257,7 @@ def measure_rank(comm, work: str, quick: bool) -> dict[str, float]:
     torch.use_deterministic_algorithms(True)
     reps = 3 if quick else 7
     res: dict[str, float] = {}
-    for part in ("compute", "host", "store", "data"):
+    for part in ("compute", "host", "store", "disk", "data"):
         comm.barrier()  # comm: barrier: the ranks measure each part at the same time
         if part == "compute":
             res.update(compute_rates(reps))
@@ -235,6 +265,8 @@ def measure_rank(comm, work: str, quick: bool) -> dict[str, float]:
             res.update(host_rates(reps))
         elif part == "store":
             res.update(store_rates(work, 2 if quick else 4))
+        elif part == "disk":
+            res.update(disk_rate(work, 1 << (18 if quick else 19), 2048, 2 if quick else 3))
         else:
             res.update(data_rate(work, reps))
     comm.barrier()  # comm: barrier before the exchange measurements

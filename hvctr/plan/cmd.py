@@ -12,6 +12,7 @@ measured. Rates come from ``hvctr bench --calibrate`` (this machine) or a hand-w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -19,9 +20,9 @@ from pathlib import Path
 
 from hvctr.config import Compression, Config, MergeMode, MergeStates, load_config
 from hvctr.plan.keyfreq import KeyCurve, data_curve, zipf_curve
-from hvctr.plan.model import Job, NodeInfo, Plan, plan
+from hvctr.plan.model import NO_FIT, Job, NodeInfo, Plan, plan
 from hvctr.plan.rates import load_rates
-from hvctr.topo.hwmap import HardwareMap, load_map
+from hvctr.topo.hwmap import HardwareMap, format_cpulist, load_map
 from hvctr.topo.plan import plan_node
 
 DEFAULT_RATES = "bench/rates.toml"
@@ -60,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows of a first pass over fresh keys (default with --data: its train rows; else 0: "
                         "a later pass, every key already in the table)")
     p.add_argument("--rates", default=DEFAULT_RATES, help="rates file (hvctr bench --calibrate writes one)")
+    p.add_argument("--nic-gbps", type=float, default=0.0,
+                   help="network bandwidth per node in Gb/s (overrides the rates file's nic_bytes_per_s)")
     p.add_argument("--threads-per-rank", type=_count, default=0,
                    help="torch threads per rank (default: the placement plan's cpus, 1 without a GPU-less bind)")
     p.add_argument("--ssd-bytes", type=_count, default=0, help="size of one SSD (default: its file system here, if any)")
@@ -78,10 +81,11 @@ def _gpu_memory(hwmap: HardwareMap, given: int) -> tuple[float, str]:
 
 
 def _ssd_size(path: str) -> float:
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    st = os.statvfs(p)
+    """Size of the file system holding ``path`` on this machine; 0 when the path is not here
+    (a map of another node type: its SSD is not this machine's)."""
+    if not path or not os.path.isdir(path):
+        return 0.0
+    st = os.statvfs(path)
     return float(st.f_blocks * st.f_frsize)
 
 
@@ -89,13 +93,17 @@ def node_info(hwmap: HardwareMap, ranks_per_node: int, threads: int = 0, ssd_byt
               gpu_memory_bytes: int = 0) -> NodeInfo:
     """One node as the planner sees it: cpus, memory, GPUs, SSD, from the map's placement plan."""
     plans = plan_node(hwmap, ranks_per_node, oversubscribe=True)
-    notes = sorted({f"local rank {p.local_rank}: {n}" for p in plans for n in p.notes if "oversubscribed" not in n})
+    by_note: dict[str, list[int]] = {}
+    for p in plans:
+        for n in p.notes:
+            if "oversubscribed" not in n:  # the plan's fits say that
+                by_note.setdefault(n, []).append(p.local_rank)
+    notes = [f"local rank(s) {format_cpulist(r)}: {n}" for n, r in sorted(by_note.items())]
     gpu_mem, gpu_note = _gpu_memory(hwmap, gpu_memory_bytes)
     ssd_dirs = [p.ssd_dir for p in plans]
     per_ssd = max(ssd_dirs.count(d) for d in ssd_dirs)
     ssd = float(ssd_bytes)
-    if not ssd and ssd_dirs[0] and hwmap.ssds:
-        ssd = _ssd_size(ssd_dirs[0])
+    if not ssd and (ssd := _ssd_size(ssd_dirs[0])):
         notes.append(f"SSD size: the file system of {ssd_dirs[0]} on this machine")
     cpus = sum(len(n.cpus) for n in hwmap.numa)
     if not threads:
@@ -138,15 +146,22 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     keys = args.keys or int(round(curve.keys))
     pass_rows = args.pass_rows if args.pass_rows is not None else (int(curve.rows[-1]) if args.data else 0)
     rates = load_rates(args.rates)
+    entry = rates.for_ranks(rpn)
+    if args.nic_gbps:
+        entry = dataclasses.replace(entry, nic_bytes_per_s=args.nic_gbps * 1e9 / 8)
+    if args.nodes > 1 and not entry.nic_bytes_per_s:
+        raise ValueError(f"{args.rates}: nic_bytes_per_s is 0 (not measured on one node): pass --nic-gbps for "
+                         f"{args.nodes} nodes")
     node = node_info(hwmap, rpn, args.threads_per_rank, args.ssd_bytes, args.gpu_memory_bytes)
-    p = plan(job_from(cfg, args.nodes, rpn, keys, pass_rows), node, rates.for_ranks(rpn), curve)
+    p = plan(job_from(cfg, args.nodes, rpn, keys, pass_rows), node, entry, curve)
     if args.data and args.keys and curve.keys > args.keys:
-        p.fits.append(("table", False, f"the data holds {curve.keys:,.0f} distinct keys, more than --keys {args.keys:,}"))
+        p.fits.append(("table", NO_FIT, f"the data holds {curve.keys:,.0f} distinct keys, more than --keys {args.keys:,}"))
     if args.json:
-        print(json.dumps({"figures": p.figures, "fits": [{"where": w, "fits": ok, "why": why} for w, ok, why in p.fits],
+        print(json.dumps({"figures": p.figures, "fits": [{"where": w, "status": st, "why": why} for w, st, why in p.fits],
                           "notes": p.notes}, indent=1))
     else:
-        print(format_plan(p, f"{rates.path} ({rates.name}: {rates.source})"))
+        nic = f"; network {args.nic_gbps:g} Gb/s per node (--nic-gbps)" if args.nic_gbps else ""
+        print(format_plan(p, f"{rates.path} ({rates.name}: {rates.source}){nic}"))
     return 0
 
 
@@ -196,14 +211,14 @@ def format_plan(p: Plan, rates_from: str) -> str:
         f"  dense merge        {_b(f['dense_payload_bytes_per_step'])} payload, {_b(f['dense_wire_bytes_per_step'])} "
         "on the wire (ring)",
         f"  time               compute {_t(f['compute_s_per_step'])}, pull {_t(f['pull_s_per_step'])}, merge "
-        f"{_t(f['merge_s_per_step'])}, prefetch {_t(f['prep_s_per_step'])} ({overlap})",
+        f"{_t(f['merge_s_per_step'])}, prefetch {_t(f['prep_s_per_step'])} ({overlap}; shard reads "
+        f"{_t(f['shard_read_s_per_step'])} of it)",
         f"  step               {_t(f['step_s'])}: {f['samples_per_s_per_rank']:,.0f} samples/s per rank, "
-        f"{f['samples_per_s']:,.0f} in all",
+        f"{f['samples_per_s']:,.0f} in all; bound by {f['bound_by']}",
         "",
         "what fits",
     ]
-    word = {True: "fits", False: "DOES NOT FIT", None: "unknown"}
-    lines += [f"  {where:<18} {word[ok]:<13} {why}" for where, ok, why in p.fits]
+    lines += [f"  {where:<18} {status:<13} {why}" for where, status, why in p.fits]
     if p.notes:
         lines += ["", "notes"] + [f"  - {x}" for x in p.notes]
     return "\n".join(lines)

@@ -47,6 +47,7 @@ from hvctr.storage.row import RowLayout
 from hvctr.storage.shard import INDEX_DTYPE, META_DTYPE, num_slots_for
 
 KEY_BYTES = 8
+FITS, NO_FIT, UNKNOWN, INFO = "fits", "DOES NOT FIT", "unknown", "info"
 DATA_ROW_BYTES = 4 + 4 * 13 + 8 * 26  # label, dense, keys: hvctr.data.ROW_BYTES for Criteo's 13 + 26
 # A rank's memory besides the cache and the window buffers: Python, torch, h5py, Horovod and
 # its fusion buffer. Measured RSS of a CPU rank right after start-up on this machine type: an
@@ -232,7 +233,7 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     else:
         merge = (c.allreduce(payload) + 2 * c.sort(u) + c.copy(u * (row + KEY_BYTES))
                  + c.alltoall(u * f * (row + KEY_BYTES)) + c.cpu * u_o / r.cache_write_rows_per_s + dev)
-    return {"prep": prep, "pull": pull, "compute": compute, "merge": merge}
+    return {"prep": prep, "pull": pull, "compute": compute, "merge": merge, "shard_read": shard_read}
 
 
 # --- the plan -------------------------------------------------------------------------
@@ -244,14 +245,17 @@ class Plan:
     node: NodeInfo
     rates: Rates
     curve: KeyCurve
-    figures: dict[str, float]  # named numbers (bytes, rows, seconds), per rank unless named per node
-    fits: list[tuple[str, bool | None, str]]  # (where, fits: True/False/None unknown, why)
+    figures: dict[str, float | str]  # named numbers (bytes, rows, seconds), per rank unless named per node
+    fits: list[tuple[str, str, str]]  # (where, FITS | NO_FIT | UNKNOWN | INFO, why)
     notes: list[str]
 
 
 def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     """Sizes, bytes per step and time per step of ``job`` on ``node`` (see the module docstring)."""
     _check_job(job)
+    if job.nodes > 1 and not rates.nic_bytes_per_s:
+        raise ValueError(f"{job.nodes} nodes, but the rates have no network figure (nic_bytes_per_s = 0): "
+                         "measured on one node; give the network's bandwidth")
     W, k, B, D = job.world_size, job.k, job.batch_size_per_rank, job.dim
     layout = RowLayout(D)
     notes: list[str] = list(node.notes)
@@ -281,6 +285,7 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
                       on_device)
     spare_core = node.cpus / job.ranks_per_node >= node.threads_per_rank + 1
     main = t["pull"] + t["compute"] + t["merge"]
+    phases = {"compute": t["compute"], "pull": t["pull"], "merge": t["merge"], "prefetch": t["prep"]}
     window = max(main, t["prep"]) if (job.prefetch and spare_core) else main + t["prep"]
     if job.prefetch and not spare_core:
         notes.append("no spare core per rank for the prefetch thread: its time adds to the step")
@@ -301,7 +306,7 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         "dense_wire_bytes_per_step": payload / k * 2 * (W - 1) / W,
         "sparse_bytes_per_step": sum(sparse.values()) / k,
         **{f"{name}_s_per_step": v / k for name, v in t.items()},
-        "step_s": window / k, "samples_per_s_per_rank": B * k / window, "samples_per_s": W * B * k / window,
+        "step_s": window / k, "bound_by": max(phases, key=phases.get), "samples_per_s_per_rank": B * k / window, "samples_per_s": W * B * k / window,
     }
     p = Plan(job, node, rates, curve, figures, [], notes)
     p.fits = _fits(p, shard_in_ram)
@@ -352,39 +357,40 @@ def _device_bytes(job: Job, u: float, params: int) -> float:
     return u * RowLayout(D).row_bytes + 2 * B * F * (D + 1) * 4 + 4 * params * 4 + 2 * act * 4
 
 
-def _fits(p: Plan, shard_in_ram: bool) -> list[tuple[str, bool | None, str]]:
+def _fits(p: Plan, shard_in_ram: bool) -> list[tuple[str, str, str]]:
     fg, node, job = p.figures, p.node, p.job
     gib = lambda b: f"{b / 2**30:,.2f} GiB"
-    out: list[tuple[str, bool | None, str]] = []
+    yes = lambda ok: FITS if ok else NO_FIT
+    out: list[tuple[str, str, str]] = []
     ssd_need = fg["shard_bytes"] * node.ranks_per_ssd
     if node.ssd_bytes:
-        out.append(("SSD", ssd_need <= node.ssd_bytes,
+        out.append(("SSD", yes(ssd_need <= node.ssd_bytes),
                     f"{node.ranks_per_ssd} shard(s) of {gib(fg['shard_bytes'])} on one SSD of {gib(node.ssd_bytes)}"))
     else:
-        out.append(("SSD", None, f"{node.ranks_per_ssd} shard(s) of {gib(fg['shard_bytes'])} per SSD; "
-                                 "SSD size unknown (--ssd-bytes)"))
+        out.append(("SSD", UNKNOWN, f"{node.ranks_per_ssd} shard(s) of {gib(fg['shard_bytes'])} per SSD; "
+                                    "SSD size unknown (--ssd-bytes)"))
     host_need = fg["host_bytes"] * job.ranks_per_node
     if node.host_memory_bytes:
-        out.append(("host memory", host_need <= node.host_memory_bytes,
+        out.append(("host memory", yes(host_need <= node.host_memory_bytes),
                     f"{job.ranks_per_node} ranks x {gib(fg['host_bytes'])} (cache {gib(fg['cache_bytes'])}) "
                     f"of {gib(node.host_memory_bytes)} per node"))
-        out.append(("page cache", shard_in_ram,
+        out.append(("page cache", INFO,
                     "the node's shards fit in the memory the ranks leave free: shard reads at page-cache speed"
-                    if shard_in_ram else "the node's shards exceed free memory: shard reads at disk speed"))
+                    if shard_in_ram else "the node's shards exceed the memory the ranks leave free: a cache miss "
+                                         "is a read from the SSD"))
     else:
-        out.append(("host memory", None, f"{gib(host_need)} per node; node memory unknown (map's memory_gib)"))
+        out.append(("host memory", UNKNOWN, f"{gib(host_need)} per node; node memory unknown (map's memory_gib)"))
     if node.gpus:
         if node.gpu_memory_bytes:
-            out.append(("GPU memory", fg["device_bytes"] <= node.gpu_memory_bytes,
+            out.append(("GPU memory", yes(fg["device_bytes"] <= node.gpu_memory_bytes),
                         f"working set {fg['working_set_rows']:,.0f} rows + batch + dense state = "
                         f"{gib(fg['device_bytes'])} of {gib(node.gpu_memory_bytes)}"))
         else:
-            out.append(("GPU memory", None, f"{gib(fg['device_bytes'])} needed; GPU memory unknown (--gpu-memory-bytes)"))
+            out.append(("GPU memory", UNKNOWN, f"{gib(fg['device_bytes'])} needed; GPU memory unknown "
+                                               "(--gpu-memory-bytes)"))
         if job.ranks_per_node > node.gpus:
-            out.append(("GPUs", False, f"{job.ranks_per_node} ranks per node, {node.gpus} GPUs: one rank per GPU"))
+            out.append(("GPUs", NO_FIT, f"{job.ranks_per_node} ranks per node, {node.gpus} GPUs: one rank per GPU"))
     if job.ranks_per_node * node.threads_per_rank > node.cpus:
-        out.append(("cpus", False, f"{job.ranks_per_node} ranks x {node.threads_per_rank} threads on {node.cpus} cpus: "
-                                   "oversubscribed, every CPU time stretches"))
-    if fg["table_keys"] > job.keys:
-        out.append(("table", False, f"the data has {fg['table_keys']:,} keys, more than --keys {job.keys:,}"))
+        out.append(("cpus", NO_FIT, f"{job.ranks_per_node} ranks x {node.threads_per_rank} threads on {node.cpus} "
+                                    "cpus: oversubscribed, every CPU time stretches"))
     return out
