@@ -1,0 +1,217 @@
+"""The planner's arithmetic against the code it models and against brute force."""
+
+import dataclasses
+import math
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from hvctr.config import Compression, MergeConfig, MergeMode, MergeStates, ModelArch, ModelConfig
+from hvctr.keys import NUM_BUCKETS, default_bucket_owner
+from hvctr.models import build_model
+from hvctr.plan.keyfreq import KeyCurve, zipf_curve, zipf_distinct
+from hvctr.plan.model import (FITS, NO_FIT, UNKNOWN, Job, NodeInfo, dense_flops_per_sample, dense_params,
+                              dense_payload_bytes, linear_layers, plan, rows_per_rank, shard_bytes,
+                              sparse_bytes_per_window)
+from hvctr.plan.rates import Rates, RatesFile, load_rates, write_rates
+from hvctr.storage.shard import Shard
+from hvctr.train.merger import KStepMerger, SyncGradients
+
+RATES = Rates(ranks_per_node=1, compute_flops_per_s=1e10, dense_adam_params_per_s=1e8, sparse_keys_per_s=1e7,
+              sparse_rows_per_s=1e7, step_overhead_s=0.001, sort_keys_per_s=5e6, cache_rows_per_s=1e6,
+              cache_write_rows_per_s=1e6, new_rows_per_s=2e5, shard_rows_per_s=5e5, disk_rows_per_s=2e4,
+              data_rows_per_s=1e7, alltoall_latency_s=1e-3, allreduce_latency_s=1e-3, memcpy_bytes_per_s=3e9,
+              intra_node_bytes_per_s=1e9)
+NODE = NodeInfo(name="test", cpus=2, threads_per_rank=1, host_memory_bytes=24 * 2**30)
+
+
+@pytest.mark.parametrize("arch", list(ModelArch))
+@pytest.mark.parametrize("hidden,dim", [((512, 256), 16), ((32, 16), 8)])
+def test_dense_params_and_layers_match_the_models(arch, hidden, dim):
+    cfg = ModelConfig(arch=arch, hidden=hidden)
+    model = build_model(cfg, dim)
+    assert dense_params(cfg, dim) == sum(p.numel() for p in model.parameters())
+    shapes = sorted((m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert sorted(linear_layers(cfg, dim)) == shapes
+    assert dense_flops_per_sample(cfg, dim) == sum(6 * i * o for i, o in shapes)
+
+
+def test_dense_flops_of_the_default_dnn_by_hand():
+    # 26 * 16 + 13 = 429 inputs -> 512 -> 256 -> 1
+    assert dense_flops_per_sample(ModelConfig(), 16) == 6 * (429 * 512 + 512 * 256 + 256 * 1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 7, 128])
+def test_rows_per_rank_is_the_fullest_shard_of_the_bucket_table(world):
+    keys = 10**9 + 7
+    buckets = np.bincount(default_bucket_owner(world), minlength=world)
+    assert rows_per_rank(keys, world) == math.ceil(keys * buckets.max() / NUM_BUCKETS)
+
+
+@pytest.mark.parametrize("capacity,dim,lf", [(10_000, 8, 0.8), (3_000, 16, 0.5)])
+def test_shard_bytes_are_the_shard_files_datasets(tmp_path, capacity, dim, lf):
+    path = tmp_path / "s.h5"
+    Shard.create(path, dim=dim, capacity=capacity, world_size=1, rank=0, bucket_owner=default_bucket_owner(1),
+                 seed=1, init_scale=0.01, max_load_factor=lf).close()
+    want = shard_bytes(capacity, dim, lf)
+    with h5py.File(path, "r") as f:
+        assert (f["index"].nbytes, f["rows"].nbytes, f["row_meta"].nbytes) == (want["index"], want["rows"], want["meta"])
+    size = path.stat().st_size
+    assert want["total"] <= size < want["total"] + (64 << 10)  # HDF5's own metadata and alignment
+
+
+class _OneRank:
+    """A comm of one rank: the reducers' byte counting is under test, not the collective."""
+
+    size = 1
+
+    def allreduce_sum(self, tensors, name):
+        return [t.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("states", list(MergeStates))
+@pytest.mark.parametrize("compression", list(Compression))
+def test_dense_payload_is_what_the_k_step_merger_sends(states, compression):
+    model = build_model(ModelConfig(hidden=(32, 16)), 8, seed=0)
+    params = list(model.parameters())
+    merger = KStepMerger(_OneRank(), MergeConfig(states=states, compression=compression), params)
+    moments = ([torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params])
+    merger.merge(moments, [0, 0], name="m")
+    P = dense_params(ModelConfig(hidden=(32, 16)), 8)
+    assert merger.bytes_sent == dense_payload_bytes(P, MergeMode.KSTEP, states, compression)
+
+
+@pytest.mark.parametrize("compression", list(Compression))
+def test_dense_payload_is_what_sync_sends(compression):
+    model = build_model(ModelConfig(hidden=(32, 16)), 8, seed=0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    reducer = SyncGradients(_OneRank(), MergeConfig(mode=MergeMode.SYNC, compression=compression),
+                            list(model.parameters()))
+    reducer.average([0, 0], name="g")
+    P = dense_params(ModelConfig(hidden=(32, 16)), 8)
+    assert reducer.bytes_sent == dense_payload_bytes(P, MergeMode.SYNC, MergeStates.PARAMS_M_V, compression)
+
+
+def test_sparse_bytes_closed_forms():
+    row = 4 * (3 * 17 + 1)
+    b = sparse_bytes_per_window(1000, 4, 16, MergeMode.KSTEP, prefetch=True)
+    assert b == {"pull": 750 * (8 + row), "warm": 750 * 8, "push": 750 * (8 + row)}
+    s = sparse_bytes_per_window(1000, 4, 16, MergeMode.SYNC, prefetch=False)
+    assert s == {"pull": 750 * (8 + row), "warm": 0.0, "push": 750 * (8 + 4 * 17)}
+    assert sum(sparse_bytes_per_window(1000, 1, 16, MergeMode.KSTEP, True).values()) == 0
+
+
+@pytest.mark.parametrize("exponent", [0.8, 1.1, 1.5])
+def test_zipf_distinct_matches_brute_force(exponent):
+    keys = 300_000  # beyond the exactly summed head: the integrated tail counts
+    p = np.arange(1, keys + 1, dtype=np.float64) ** -exponent
+    p /= p.sum()
+    for rows in (1, 100, 4096):
+        brute = float(-np.expm1(-rows * 26 * p).sum())
+        assert zipf_distinct(rows, keys, exponent, 26) == pytest.approx(brute, rel=1e-6)
+
+
+def test_zipf_hit_rate_matches_brute_force():
+    keys, exponent, rows = 200_000, 1.1, 2048
+    curve = zipf_curve(keys, exponent, fields=1)
+    p = np.arange(1, keys + 1, dtype=np.float64) ** -exponent
+    q = -np.expm1(-rows * p / p.sum())
+    for cached in (1_000, 20_000, 100_000):
+        assert curve.hit_rate(rows, cached) == pytest.approx(q[:cached].sum() / q.sum(), rel=1e-5)
+    assert curve.hit_rate(rows, 0) == 0.0 and curve.hit_rate(rows, keys) == 1.0
+
+
+def test_key_curve_interpolates_in_log_space_and_stays_within_bounds():
+    c = KeyCurve(rows=(10.0, 1000.0), distinct=(100.0, 1000.0), fields=26, keys=5000.0)
+    assert c(10) == pytest.approx(100) and c(1000) == pytest.approx(1000)
+    assert c(100) == pytest.approx(math.sqrt(100 * 1000))  # the geometric middle
+    assert c(5) == pytest.approx(50)  # below the first point: linear
+    assert c(10**6) == 5000  # never more keys than the table's
+    assert c(0) == 0.0
+    tiny = KeyCurve(rows=(1.0, 2.0), distinct=(26.0, 60.0), fields=26)
+    assert tiny(2) == 52  # never more than the rows' keys
+
+
+def _job(**kw):
+    base = dict(nodes=1, ranks_per_node=1, keys=10**6, dim=16, batch_size_per_rank=4096, every_k_steps=8,
+                model=ModelConfig(), cpu_cache_bytes=1 << 30)
+    return Job(**{**base, **kw})
+
+
+def test_compute_time_is_the_sum_of_the_rated_parts():
+    curve = zipf_curve(10**6, 1.1, 26)
+    f = plan(_job(), NODE, RATES, curve).figures
+    cfg, B = ModelConfig(), 4096
+    per_step = (dense_flops_per_sample(cfg, 16) * B / RATES.compute_flops_per_s
+                + dense_params(cfg, 16) / RATES.dense_adam_params_per_s + B * 26 / RATES.sparse_keys_per_s
+                + curve(B) / RATES.sparse_rows_per_s + RATES.step_overhead_s)
+    assert f["compute_s_per_step"] == pytest.approx(per_step)
+    assert f["working_set_rows"] == pytest.approx(curve(8 * B))
+    assert f["samples_per_s"] == pytest.approx(B / f["step_s"])
+
+
+def test_prefetch_overlaps_only_with_a_spare_core():
+    curve = zipf_curve(10**6, 1.1, 26)
+    spare = plan(_job(), NODE, RATES, curve).figures
+    main = spare["pull_s_per_step"] + spare["compute_s_per_step"] + spare["merge_s_per_step"]
+    assert spare["step_s"] == pytest.approx(max(main, spare["prep_s_per_step"]))
+    busy = plan(_job(), dataclasses.replace(NODE, cpus=1), RATES, curve).figures
+    assert busy["step_s"] == pytest.approx(busy["pull_s_per_step"] + busy["compute_s_per_step"]
+                                           + busy["merge_s_per_step"] + busy["prep_s_per_step"])
+
+
+def test_more_ranks_than_cpus_stretch_cpu_time():
+    curve = zipf_curve(10**6, 1.1, 26)
+    two = dataclasses.replace(RATES, ranks_per_node=2)
+    f2 = plan(_job(ranks_per_node=2), NODE, two, curve).figures
+    f3 = plan(_job(ranks_per_node=3), NODE, two, curve).figures
+    assert f3["compute_s_per_step"] == pytest.approx(1.5 * f2["compute_s_per_step"])
+    statuses = {w: s for w, s, _ in plan(_job(ranks_per_node=3), NODE, two, curve).fits}
+    assert statuses["cpus"] == NO_FIT
+
+
+def test_sync_sends_gradients_every_step():
+    curve = zipf_curve(10**6, 1.1, 26)
+    f = plan(_job(ranks_per_node=2, mode=MergeMode.SYNC), NODE, RATES, curve).figures
+    P = dense_params(ModelConfig(), 16)
+    assert f["dense_payload_bytes_per_step"] == P * 4 + 8
+    assert f["push_bytes_per_step"] == pytest.approx(curve(4096) / 2 * (8 + 4 * 17))
+    k8 = plan(_job(ranks_per_node=2), NODE, RATES, curve).figures
+    assert k8["dense_payload_bytes_per_step"] == pytest.approx((3 * P * 4 + 8) / 8)
+
+
+def test_fits_say_what_does_not_fit_where():
+    curve = zipf_curve(10**9, 1.1, 26)
+    small = NodeInfo(name="n", cpus=16, threads_per_rank=1, host_memory_bytes=8 * 2**30, gpus=1,
+                     gpu_memory_bytes=2**20, ssd_bytes=10 * 2**30)
+    fits = {w: s for w, s, _ in plan(_job(keys=10**9, cpu_cache_bytes=16 << 30), small, RATES, curve).fits}
+    assert fits["SSD"] == NO_FIT and fits["host memory"] == NO_FIT and fits["GPU memory"] == NO_FIT
+    roomy = dataclasses.replace(small, host_memory_bytes=2**40, gpu_memory_bytes=40e9, ssd_bytes=2**40)
+    fits = {w: s for w, s, _ in plan(_job(keys=10**9, cpu_cache_bytes=16 << 30), roomy, RATES, curve).fits}
+    assert fits["SSD"] == FITS and fits["host memory"] == FITS and fits["GPU memory"] == FITS
+    unknown = dataclasses.replace(small, ssd_bytes=0, host_memory_bytes=0, gpu_memory_bytes=0)
+    fits = {w: s for w, s, _ in plan(_job(keys=10**9), unknown, RATES, curve).fits}
+    assert fits["SSD"] == fits["host memory"] == fits["GPU memory"] == UNKNOWN
+
+
+def test_several_nodes_need_a_network_rate():
+    with pytest.raises(ValueError, match="nic_bytes_per_s"):
+        plan(_job(nodes=2), NODE, RATES, zipf_curve(10**6, 1.1, 26))
+
+
+def test_rates_file_round_trip_and_errors(tmp_path):
+    rf = RatesFile(name="m", source="test", entries=(dataclasses.replace(RATES, ranks_per_node=2), RATES))
+    path = tmp_path / "r.toml"
+    write_rates(rf, path)
+    back = load_rates(path)
+    assert [e.ranks_per_node for e in back.entries] == [1, 2]
+    assert back.for_ranks(1).ranks_per_node == 1 and back.for_ranks(3).ranks_per_node == 2
+    assert back.entries[0].compute_flops_per_s == pytest.approx(RATES.compute_flops_per_s, rel=1e-3)
+    path.write_text(path.read_text().replace("compute_flops_per_s", "compute_flop_per_s", 1))
+    with pytest.raises(ValueError, match="unknown key.*compute_flop_per_s"):
+        load_rates(path)
+    with pytest.raises(ValueError, match="does not exist.*hvctr bench --calibrate"):
+        load_rates(tmp_path / "missing.toml")
