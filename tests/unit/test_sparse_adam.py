@@ -188,9 +188,14 @@ def test_without_a_compiler_the_torch_path_runs(tmp_path):
     assert "ok" in r.stdout and "torch path" in r.stdout + r.stderr
 
 
-def test_sparse_path_bench_runs_and_reports_both_paths(capsys):
+def test_sparse_path_bench_runs_and_reports_both_paths(capsys, tmp_path):
     from hvctr.optim import bench
-    assert bench.main(["--repeats", "1", "--window", "2", "--batch-size", "256", "--dim", "4"]) == 0
+    md = tmp_path / "B.md"
+    md.write_text("# Benchmarks\n\n## Sparse path\n\nold figures\n\n## Other\n\nkept\n")
+    assert bench.main(["--repeats", "1", "--window", "2", "--batch-size", "256", "--dim", "4", "--write", str(md)]) == 0
+    text = md.read_text()
+    assert "old figures" not in text and "kept" in text and "| **sparse path / MLP step** |" in text
+    assert "`python -m hvctr.optim.bench --repeats 1 --window 2 --batch-size 256 --dim 4`" in text
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [x.get("path") for x in lines] == [None, "native", "torch"]
     assert all(x["total_ms"] > 0 and x["mlp_step_ms"] > 0 for x in lines[1:])
