@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from data_prep import synth
+from data_prep.__main__ import keep_freed_memory
 from hvctr.bench_report import write_section
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +71,18 @@ def measure(rows: int, shards: int, repeat: int, work: Path) -> dict:
     res["speedup_job"] = res["p2_job_rows_per_s"] / res["p1_job_rows_per_s"]
     res["speedup_wall"] = res["p2_wall_rows_per_s"] / res["p1_wall_rows_per_s"]
     res["loadavg"] = (load_before, os.getloadavg()[0])  # other work on the machine shows here
+    res["nice"] = os.nice(0)
+    res["autogroup"] = _autogroup_nice()
     return res
+
+
+def _autogroup_nice() -> int:
+    """The nice value of this session's scheduler autogroup (with autogroups on, plain nice only
+    ranks processes within a session)."""
+    try:
+        return int(open("/proc/self/autogroup").read().split("nice")[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _cpu() -> str:
@@ -88,7 +100,9 @@ def render(res: dict, command: str) -> str:
     return f"""{SECTION}
 
 Command: `{command}` ({time.strftime('%Y-%m-%d')}; {os.cpu_count()} cores, no GPU, {_cpu()};
-1-minute load average {res['loadavg'][0]:.1f} before, {res['loadavg'][1]:.1f} after: above ~2 other work shared the cores).
+1-minute load average {res['loadavg'][0]:.1f} before, {res['loadavg'][1]:.1f} after: above ~2 other work shared the cores;
+run at niceness {res.get('nice', 0)}, scheduler autogroup niceness {res.get('autogroup', 0)}{
+' so that other work got little of them' if res.get('autogroup', 0) < 0 else ''}).
 Input: {res['rows']:,} synthetic Criteo rows from `data_prep synth` ({res['tsv_bytes'] / 1e6:,.0f} MB of TSV,
 in the page cache); `data_prep criteo --shards {res['shards']} --valid-fraction 0.05`; 1 and 2 processes
 alternated, {res['repeat']} runs each, medians. "In job": rows / the job's own elapsed time from its
@@ -119,7 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--benchmarks", default=str(REPO / "BENCHMARKS.md"), help="file to write the section into")
     p.add_argument("--no-write", action="store_true", help="print the section only")
     args = p.parse_args(argv)
+    keep_freed_memory()  # as the data_prep command does: the generator runs in this process
     command = "python -m data_prep.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    if os.nice(0) != 0:
+        command = f"nice -n {os.nice(0)} {command}"
+    if _autogroup_nice() != 0:  # how it was started: its own session, that session's priority
+        command = f"setsid sh -c 'echo {_autogroup_nice()} > /proc/self/autogroup && exec {command}'"
     with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
         res = measure(args.rows, args.shards, args.repeat, Path(work))
     text = render(res, command.strip())
