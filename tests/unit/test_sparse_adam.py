@@ -216,3 +216,9 @@ def test_batch_unique_equals_torch_unique(path):
         if path == "native":
             with pytest.raises(IndexError):
                 batch_unique(torch.tensor([[1, -2]]))
+
+
+def test_batch_unique_of_far_apart_values():
+    pos = torch.tensor([[3, 1 << 40], [3, 7]])
+    uniq, inverse = batch_unique(pos)
+    assert uniq.tolist() == [3, 7, 1 << 40] and inverse.tolist() == [[0, 2], [0, 1]]
