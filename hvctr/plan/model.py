@@ -259,7 +259,7 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     W, k, B, D = job.world_size, job.k, job.batch_size_per_rank, job.dim
     layout = RowLayout(D)
     notes: list[str] = list(node.notes)
-    table_keys = min(job.keys, int(curve(job.pass_rows))) if job.pass_rows else job.keys
+    table_keys = min(job.keys, round(curve(job.pass_rows))) if job.pass_rows else job.keys
     capacity = rows_per_rank(job.keys, W)
     shard = shard_bytes(capacity, D, job.max_load_factor)
     cache_entries = entries_for_budget(layout.width, job.cpu_cache_bytes)
