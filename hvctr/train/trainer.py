@@ -30,7 +30,7 @@ from hvctr.keys import default_bucket_owner
 from hvctr.log import get_logger
 from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
-from hvctr.optim import (apply_adam_to_rows, gather_rows, get_adam_states, set_adam_states,
+from hvctr.optim import (adam_step_count, apply_adam_to_rows, gather_rows, get_adam_states, set_adam_states,
                          sparse_adam_step, sum_rows_grad)
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.train.feed import TrainData
@@ -242,8 +242,7 @@ class Trainer:
         m, v = self._moments()
         out.update({f"exp_avg.{i:03d}": t for i, t in enumerate(m)})
         out.update({f"exp_avg_sq.{i:03d}": t for i, t in enumerate(v)})
-        steps = {int(s["step"]) for s in self.optimizer.state.values()}
-        out["adam_step"] = torch.tensor([steps.pop() if steps else 0], dtype=torch.int64)
+        out["adam_step"] = torch.tensor([adam_step_count(self.optimizer)], dtype=torch.int64)
         return out
 
     def save_checkpoint(self) -> None:
