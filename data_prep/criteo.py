@@ -45,6 +45,7 @@ WORK = "_work"
 SPLIT_RULE = ("global line index g over all inputs in the order given (data lines only, rejected "
               "lines included); shard = g mod S; validation = the last round(F * L) of the L lines")
 SHARD_BATCH = 32  # output files one process keeps open at once in phase 2
+AUTO_CHUNKS = 256  # auto chunk size: enough units to balance many processes, few enough to record
 REPORT_SECONDS = 1.0  # how often a worker reports progress to rank 0
 
 
@@ -56,7 +57,7 @@ class Job:
     valid_fraction: float = 0.0
     strict: bool = False
     format: str = "auto"
-    chunk_bytes: int = 64 << 20
+    chunk_bytes: int = 0  # 0: auto (see auto_chunk_bytes)
     piece_lines: int = 1 << 19
     progress_seconds: float = 10.0
 
@@ -65,7 +66,7 @@ class Job:
             raise ValueError(f"--shards must be >= 1, got {self.shards}")
         if not 0.0 <= self.valid_fraction < 1.0:
             raise ValueError(f"--valid-fraction must be in [0, 1), got {self.valid_fraction}")
-        if self.chunk_bytes < 1 << 16:
+        if self.chunk_bytes and self.chunk_bytes < 1 << 16:
             raise ValueError(f"--chunk-mb must be at least 1/16, got {self.chunk_bytes / 2**20}")
         if self.piece_lines < 1:
             raise ValueError(f"--piece-lines must be >= 1, got {self.piece_lines}")
@@ -86,8 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
     p.add_argument("--format", choices=("auto", "tsv", "csv"), default="auto",
                    help="input format (auto: tabs -> TSV, else CSV with a header)")
-    p.add_argument("--chunk-mb", type=float, default=64.0,
-                   help="a plain input is split into byte ranges of this size (the unit of work and of resume)")
+    p.add_argument("--chunk-mb", type=float, default=0.0,
+                   help="a plain input is split into byte ranges of this size (the unit of work and of resume); "
+                        "default: the plain inputs' size / 256, between 4 and 64")
     p.add_argument("--piece-lines", type=int, default=1 << 19,
                    help="lines per intermediate piece: a process holds one piece in memory (~300 bytes a line)")
     p.add_argument("--progress-seconds", type=float, default=10.0, help="progress line interval on rank 0")
@@ -180,7 +182,7 @@ def run_job(comm: Comm, job: Job) -> int:
     cpu = comm.allgather(work_cpu)  # comm: each process's CPU seconds of work, for the record
     if comm.rank == 0:
         tracker.manifest["sessions"][-1]["work_cpu_s"] = [round(c, 3) for c in cpu]
-        tracker.finish(time.monotonic() - t0)
+        tracker.finish(t0)
     comm.barrier()
     return 0
 
@@ -333,8 +335,9 @@ class Tracker:
         job = self.job
         sources = open_sources(list(job.inputs), job.format)
         _prepare_out_dir(job.out)
-        units = make_units(sources, job.chunk_bytes)
-        ident = _identity(job, sources, len(units))
+        chunk = job.chunk_bytes or auto_chunk_bytes(sources)
+        units = make_units(sources, chunk)
+        ident = _identity(job, sources, chunk, len(units))
         old = _load_manifest(self.path)
         if old is not None and old.get("job") != ident:
             raise ValueError(f"{job.out} holds the output of a different job ({_diff(old.get('job'), ident)}); "
@@ -421,9 +424,12 @@ class Tracker:
     def assembly(self) -> Assembly:
         return _assembly(self.manifest, self.job)
 
-    def finish(self, elapsed: float) -> None:
+    def finish(self, t0: float) -> None:
+        """Totals, then the complete manifest (the job's elapsed time ends there), then cleanup."""
         self.manifest["sessions"][-1].setdefault("phase_s", {})[self.phase] = round(time.monotonic() - self.t_phase, 3)
-        _finish(self.manifest, self.job, elapsed)
+        _finish(self.manifest, self.job)
+        elapsed = time.monotonic() - t0
+        self.manifest["sessions"][-1]["elapsed_s"] = round(elapsed, 3)
         self.flush()
         shutil.rmtree(self.job.work_dir, ignore_errors=True)
         t = self.manifest["totals"]
@@ -458,9 +464,16 @@ def _prepare_out_dir(out: str) -> None:
         raise ValueError(f"{out}: output directory is not writable ({e.strerror})") from e
 
 
-def _identity(job: Job, sources: list[Source], num_units: int) -> dict:
+def auto_chunk_bytes(sources: list[Source]) -> int:
+    """Plain inputs / AUTO_CHUNKS, in whole MiB between 4 and 64: the output never depends on it
+    (only resume does), so it can follow the input's size."""
+    plain = sum(s.size for s in sources if not s.gzip)
+    return min(64, max(4, plain // AUTO_CHUNKS >> 20)) << 20
+
+
+def _identity(job: Job, sources: list[Source], chunk_bytes: int, num_units: int) -> dict:
     return {"shards": job.shards, "valid_fraction": job.valid_fraction, "strict": job.strict,
-            "chunk_bytes": job.chunk_bytes, "piece_lines": job.piece_lines, "units": num_units,
+            "chunk_bytes": chunk_bytes, "piece_lines": job.piece_lines, "units": num_units,
             "inputs": [{"path": s.path, "size": s.size} for s in sources]}
 
 
@@ -588,7 +601,7 @@ def _report_bad(bad: list[dict], first: int = 10) -> None:
     log.warning(f"{len(bad)} bad lines skipped in all (every one is listed in {MANIFEST})")
 
 
-def _finish(m: dict, job: Job, elapsed: float) -> None:
+def _finish(m: dict, job: Job) -> None:
     """Totals, key counts, label rates; the manifest becomes 'complete'."""
     sketch = KeySketch()
     for split in SPLITS:
@@ -613,5 +626,3 @@ def _finish(m: dict, job: Job, elapsed: float) -> None:
         "keys": rows * NUM_CAT,
     }
     m["state"], m["phase"] = "complete", "complete"
-    s = m["sessions"][-1]
-    s["elapsed_s"] = round(elapsed, 3)

@@ -26,6 +26,9 @@ from data_prep.parse import Block
 from data_prep.schema import NUM_CAT, NUM_DENSE, SKETCH_BITS
 
 
+WRITE_ROWS = 1 << 15  # rows a shard writer gathers before one write to its file
+
+
 def piece_path(work_dir: str, unit: int, k: int) -> str:
     return os.path.join(work_dir, f"u{unit:07d}-p{k:04d}.h5")
 
@@ -145,15 +148,26 @@ class ShardWriter:
         self.sketch = KeySketch()
         self.pos = 0
         self.positives = 0
+        self.pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.pending_rows = 0
 
     def write(self, labels: np.ndarray, dense: np.ndarray, keys: np.ndarray) -> None:
-        n = len(labels)
-        if n == 0:
+        """Appends rows; they reach the file in slices of at least WRITE_ROWS (a slice of a
+        piece is often small, and each h5py call costs about as much as 10k rows' copy)."""
+        if len(labels):
+            self.pending.append((labels, dense, keys))
+            self.pending_rows += len(labels)
+        if self.pending_rows >= WRITE_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.pending:
             return
-        end = self.pos + n
+        labels, dense, keys = (np.concatenate(a) for a in zip(*self.pending))
+        self.pending, self.pending_rows = [], 0
+        end = self.pos + len(labels)
         assert end <= self.rows, f"{self.path}: more rows than planned"
         for name, arr in (("labels", labels), ("dense", dense), ("keys", keys)):
-            arr = np.ascontiguousarray(arr)
             self.dsets[name][self.pos:end] = arr
             self.hash[name].update(arr)
         self.sketch.update(keys)
@@ -162,6 +176,7 @@ class ShardWriter:
 
     def close(self) -> dict:
         """Completes the file (renamed into place) and returns its manifest record."""
+        self._flush()
         assert self.pos == self.rows, f"{self.path}: {self.pos} rows written of {self.rows}"
         self.file.create_dataset("key_sketch", data=self.sketch.registers, track_times=False)
         self.hash["key_sketch"].update(self.sketch.registers)
