@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="print the section only")
     args = p.parse_args(argv)
     keep_freed_memory()  # as the data_prep command does: the generator runs in this process
-    command = "python -m data_prep.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    exe = Path(sys.executable)
+    exe_name = str(exe.relative_to(REPO)) if exe.is_relative_to(REPO) else "python"
+    command = f"{exe_name} -m data_prep.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     if os.nice(0) != 0:
         command = f"nice -n {os.nice(0)} {command}"
     if _autogroup_nice() != 0:  # how it was started: its own session, that session's priority
