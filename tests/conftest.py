@@ -26,25 +26,33 @@ def mpi_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def mount_tmpfs(path: Path, size_bytes: int) -> Path:
+    """Mounts a fresh tmpfs of ``size_bytes`` at ``path`` (created): a small disk to fill up.
+
+    Needs root (mount -t tmpfs); skips the calling test, with the reason, where mounting is
+    not permitted. Undo with ``unmount``.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size_bytes)}", "tmpfs", str(path)],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill up (needs root and CAP_SYS_ADMIN): {r.stderr.strip()}")
+    return path
+
+
+def unmount(path: Path) -> None:
+    subprocess.run(["umount", "--lazy", str(path)], capture_output=True, timeout=30)
+
+
 @pytest.fixture
 def tmpfs(tmp_path):
-    """``mount(size_bytes) -> Path``: a fresh tmpfs of that size (a small disk to fill up).
-
-    Needs root (mount -t tmpfs); skipped with the reason where mounting is not permitted.
-    Unmounted at teardown.
-    """
+    """``mount(size_bytes) -> Path``: a fresh tmpfs of that size, unmounted at teardown."""
     mounted: list[Path] = []
 
     def mount(size_bytes: int) -> Path:
-        path = tmp_path / f"tmpfs{len(mounted)}"
-        path.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size_bytes)}", "tmpfs", str(path)],
-                           capture_output=True, text=True, timeout=30)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs to fill up (needs root and CAP_SYS_ADMIN): {r.stderr.strip()}")
-        mounted.append(path)
-        return path
+        mounted.append(mount_tmpfs(tmp_path / f"tmpfs{len(mounted)}", size_bytes))
+        return mounted[-1]
 
     yield mount
     for path in mounted:
-        subprocess.run(["umount", "--lazy", str(path)], capture_output=True, timeout=30)
+        unmount(path)

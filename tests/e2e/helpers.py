@@ -74,6 +74,30 @@ def launch(np_: int, run_dir: Path, data: Path, *flags: str, resume: bool = Fals
             out.close()
 
 
+def session_pids(session: int) -> list[int]:
+    """Every process of a session: mpirun (the leader, started with start_new_session) and its
+    ranks, which OpenMPI puts in process groups of their own (so killpg reaches mpirun only)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[3]) == session:
+                pids.append(int(entry))
+    return pids
+
+
+def signal_job(p: subprocess.Popen, sig: int) -> None:
+    """Sends ``sig`` to mpirun and to every rank of a job started by ``launch``."""
+    for pid in session_pids(p.pid):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def kill_after_checkpoint(cmd_flags: list[str], np_: int, run: Path, data: Path, seq: int) -> None:
     """Runs a job and SIGKILLs all of it once checkpoint ``seq`` is complete."""
     p = launch(np_, run, data, *cmd_flags)
@@ -81,7 +105,7 @@ def kill_after_checkpoint(cmd_flags: list[str], np_: int, run: Path, data: Path,
     deadline = time.monotonic() + 240
     while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL)
+    signal_job(p, signal.SIGKILL)
     p.wait(timeout=60)
     assert marker.exists(), "the job ended before the checkpoint to kill after"
 
