@@ -37,6 +37,7 @@ def preflight(config_path: str | None, overrides: list[str], resume: bool, init_
     not the config's train.run_dir (hvctr eval of a moved run directory).
     """
     rank, size = world_rank(), world_size()
+    # comm: mpi4py allgather of every rank's first error (before Horovod starts)
     return check_collectively(lambda: check_inputs(load_config(config_path, overrides), rank, size, resume,
                                                    init_from, eval_only, run_dir), size)
 
