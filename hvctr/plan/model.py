@@ -285,8 +285,13 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
                       on_device)
     spare_core = node.cpus / job.ranks_per_node >= node.threads_per_rank + 1
     main = t["pull"] + t["compute"] + t["merge"]
-    phases = {"compute": t["compute"], "pull": t["pull"], "merge": t["merge"], "prefetch": t["prep"]}
-    window = max(main, t["prep"]) if (job.prefetch and spare_core) else main + t["prep"]
+    overlapped = job.prefetch and spare_core
+    window = max(main, t["prep"]) if overlapped else main + t["prep"]
+    # What to make faster: the prefetch thread when it outlasts the main thread, else the
+    # largest phase of the main thread (all four when nothing overlaps).
+    phases = {"compute": t["compute"], "pull": t["pull"], "merge": t["merge"]}
+    if not overlapped or t["prep"] > main:
+        phases["prefetch"] = t["prep"]
     if job.prefetch and not spare_core:
         notes.append("no spare core per rank for the prefetch thread: its time adds to the step")
     sparse = sparse_bytes_per_window(u if job.mode is MergeMode.KSTEP else u_b, W, D, job.mode, job.prefetch)
