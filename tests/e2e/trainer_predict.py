@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, start in enumerate(range(0, blk.labels.shape[0], b)):
             keys = blk.keys[start:start + b] if comm.rank == 0 else np.zeros((0, blk.keys.shape[1]), np.uint64)
             uniq, inv = np.unique(keys.reshape(-1), return_inverse=True)
-            rows = trainer.table.read_only(uniq, name=f"ref.{i}")  # collective: every rank serves its keys
+            # comm: alltoall pair of a read-only pull: every rank serves the keys it owns
+            rows = trainer.table.read_only(uniq, name=f"ref.{i}")
             if comm.rank == 0:
                 g = rows[torch.from_numpy(inv.reshape(keys.shape)).to(device)]
                 dense = torch.from_numpy(blk.dense[start:start + b]).to(device)
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.close()
     if comm.rank == 0:
         np.save(args.out, np.concatenate(out))
-    comm.barrier()
+    comm.barrier()  # comm: barrier: the output exists before any rank exits
     return 0
 
 
