@@ -169,20 +169,24 @@ def first_runs(dataset, tmp_path_factory) -> tuple[Path, Killed]:
     ref = launch(2, root / "reference", dataset, *FLAGS, log=root / "reference.log")
     run, log = root / "killed", root / "killed.log"
     p = launch(2, run, dataset, *FLAGS, log=log)
-    marker = run / "checkpoints" / "ckpt-000002" / "manifest.json"
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    pids = rank_pids(p.pid)
-    assert marker.exists() and set(pids) == {0, 1}, log.read_text()
-    os.kill(pids[1], signal.SIGKILL)
-    t0 = time.monotonic()
     try:
+        marker = run / "checkpoints" / "ckpt-000002" / "manifest.json"
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pids = rank_pids(p.pid)
+        assert marker.exists() and set(pids) == {0, 1}, log.read_text()
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
         rc, seconds = p.wait(timeout=60), time.monotonic() - t0
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # not ended within 60 s: the test says so
         signal_job(p, signal.SIGKILL)
         p.wait(timeout=60)
         rc, seconds = None, None
+    except BaseException:
+        for job in (p, ref):
+            signal_job(job, signal.SIGKILL)
+        raise
     done = finish(ref, root / "reference.log", root / "reference")
     assert done.returncode == 0, done.output[-4000:]
     return root / "reference", Killed(rc, seconds, log.read_text(errors="replace"), run)
