@@ -1,5 +1,5 @@
 """The sparse path's hot loops in C: lazy Adam on rows in place, the batch's unique positions,
-the gather of its rows and the sum of its gradients per row.
+the gather of its rows and the sum of its gradients per row; and the window's unique keys.
 
 Why C: in torch, lazy Adam on the ~24k rows a batch of 4096 x 26 touches is a gather of the
 rows, a dozen elementwise ops on strided column views and a scatter back (about 5 ms on one
@@ -103,6 +103,34 @@ int64_t hv_batch_unique(const int64_t *pos, int64_t n, int64_t bound, uint64_t *
     return k;
 }
 
+/* Distinct keys of keys[0:n] in order of first occurrence: uniq[0:k], first[j] = the index of
+   uniq[j]'s first occurrence, inverse[i] = the index of keys[i] in uniq; returns k. One pass
+   over an open-addressing table (table: cap = 2^bits int32 entries, all -1 on entry; cap >= 2n).
+   Keys are mixed again before probing, so keys that share low bits do not share slots. */
+int64_t hv_unique_u64(const uint64_t *keys, int64_t n, int32_t *table, int64_t bits,
+                      uint64_t *uniq, int64_t *first, int64_t *inverse)
+{
+    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const uint64_t key = keys[i];
+        uint64_t s = ((key ^ (key >> 31)) * 0x9E3779B97F4A7C15ULL) >> (64 - bits);
+        for (;;) {
+            const int32_t e = table[s];
+            if (e < 0) {
+                table[s] = (int32_t)k;
+                uniq[k] = key;
+                first[k] = i;
+                inverse[i] = k++;
+                break;
+            }
+            if (uniq[e] == key) { inverse[i] = e; break; }
+            s = (s + 1) & mask;
+        }
+    }
+    return k;
+}
+
 /* out[i] = rows[pos[i], 0:c] for i < n. */
 void hv_gather_rows(const float *rows, int64_t width, const int64_t *pos, int64_t n, int64_t c, float *out)
 {
@@ -150,6 +178,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hv_gather_rows.argtypes = [ptr, i64, ptr, i64, i64, ptr]
     lib.hv_batch_unique.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr]
     lib.hv_batch_unique.restype = i64
+    lib.hv_unique_u64.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr]
+    lib.hv_unique_u64.restype = i64
     for f in (lib.hv_sparse_adam, lib.hv_sum_rows, lib.hv_gather_rows):
         f.restype = None
 

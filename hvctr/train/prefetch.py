@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from hvctr.log import get_logger
-from hvctr.train.window import Window, build_window, fitting_prefix
+from hvctr.train.window import Window, build_window, fitting_prefix, index_keys
 
 log = get_logger(__name__)
 
@@ -83,10 +83,11 @@ class WindowSource:
         reader = self._readers.get(self._epoch) or self._readers.setdefault(
             self._epoch, self._reader_for_epoch(self._epoch))
         labels, dense, keys = reader.read(self._batch, want)
-        fit = fitting_prefix(keys, s.max_working_set_rows)
+        index = index_keys(keys)
+        fit = fitting_prefix(index, want, s.max_working_set_rows)
         # comm: allreduce (Min) of the window length every rank can take
         (n,) = self._comm.allreduce_min_int([fit], name=f"window{self._index}.len")
-        window = build_window(self._index, self._epoch, self._batch, labels[:n], dense[:n], keys[:n])
+        window = build_window(self._index, self._epoch, self._batch, labels[:n], dense[:n], keys.shape, index)
         self.read_seconds += time.perf_counter() - t0
         if self._warm is not None:
             self._warm(window.unique_keys, f"window{self._index}.warm")

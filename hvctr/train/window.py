@@ -3,6 +3,12 @@
 The window's unique keys are the working set: pulled from their owners before the window's
 first step, pushed back at its end. Every batch key is remapped to its position in that set,
 so the k steps gather rows with one index operation and never look at a key again.
+
+One pass over the candidate batches' keys (a hash table in C, ``hvctr.optim._native``; numpy's
+sort where no compiler is found) gives the distinct keys in order of first occurrence. That
+order answers both questions the prefetch thread asks: how many leading batches fit the
+working-set bound (the distinct keys of a prefix are a prefix of that list), and, once ranks
+agree on the length, the window itself, without sorting every key again.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from hvctr.optim import _native
 
 
 @dataclass
@@ -27,23 +35,54 @@ class Window:
         return int(self.labels.shape[0])
 
 
-def fitting_prefix(keys: np.ndarray, max_rows: int) -> int:
-    """Largest number of leading batches whose union of keys has at most max_rows keys.
+@dataclass
+class KeyIndex:
+    """Distinct keys of a run of batches in order of first occurrence."""
 
-    keys: uint64 [n, B, F]. One sort: the batch that first introduces each key gives the
-    number of new keys per batch, and their running sum the working set of every prefix.
-    """
-    n = keys.shape[0]
-    if n == 0:
-        return 0
-    _, first = np.unique(keys.reshape(-1), return_index=True)
-    per_batch = np.bincount(first // (keys.shape[1] * keys.shape[2]), minlength=n)
-    return int(np.searchsorted(np.cumsum(per_batch), max_rows, side="right"))
+    uniq: np.ndarray  # uint64 [K]
+    first: np.ndarray  # int64 [K], increasing: flat index of each key's first occurrence
+    inverse: np.ndarray  # int64 [n * B * F]: index of each key in uniq
+    keys_per_batch: int
+
+    def distinct_in_prefix(self, batches: int) -> int:
+        return int(np.searchsorted(self.first, batches * self.keys_per_batch))
 
 
-def build_window(index: int, epoch: int, first_batch: int, labels: np.ndarray,
-                 dense: np.ndarray, keys: np.ndarray) -> Window:
-    unique_keys, inverse = np.unique(keys.reshape(-1), return_inverse=True)
+def index_keys(keys: np.ndarray) -> KeyIndex:
+    """keys: uint64 [n, B, F] -> their KeyIndex."""
+    flat = np.ascontiguousarray(keys.reshape(-1), dtype=np.uint64)
+    per_batch = int(np.prod(keys.shape[1:])) if keys.ndim > 1 else 1
+    lib = _native.lib()
+    if lib is not None and 0 < flat.size < (1 << 30):
+        bits = max(4, int(2 * flat.size - 1).bit_length())
+        table = np.full(1 << bits, -1, dtype=np.int32)
+        uniq = np.empty(flat.size, dtype=np.uint64)
+        first = np.empty(flat.size, dtype=np.int64)
+        inverse = np.empty(flat.size, dtype=np.int64)
+        k = lib.hv_unique_u64(flat.ctypes.data, flat.size, table.ctypes.data, bits,
+                              uniq.ctypes.data, first.ctypes.data, inverse.ctypes.data)
+        return KeyIndex(uniq[:k], first[:k], inverse, per_batch)
+    uniq, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return KeyIndex(uniq[order], first[order], rank[inverse.reshape(-1)], per_batch)
+
+
+def fitting_prefix(index: KeyIndex, batches: int, max_rows: int) -> int:
+    """Largest number of leading batches (of ``batches``) with at most max_rows distinct keys."""
+    counts = np.searchsorted(index.first, np.arange(1, batches + 1) * index.keys_per_batch)
+    return int(np.searchsorted(counts, max_rows, side="right"))
+
+
+def build_window(index: int, epoch: int, first_batch: int, labels: np.ndarray, dense: np.ndarray,
+                 keys_shape: tuple[int, ...], keys_index: KeyIndex) -> Window:
+    """The window of the first ``labels.shape[0]`` batches indexed by ``keys_index``."""
+    n = labels.shape[0]
+    m = keys_index.distinct_in_prefix(n)
+    order = np.argsort(keys_index.uniq[:m], kind="stable")
+    rank = np.empty(m, dtype=np.int64)
+    rank[order] = np.arange(m)
+    positions = rank[keys_index.inverse[: n * keys_index.keys_per_batch]]
     return Window(index=index, epoch=epoch, first_batch=first_batch, labels=labels, dense=dense,
-                  positions=inverse.reshape(keys.shape).astype(np.int64, copy=False),
-                  unique_keys=unique_keys)
+                  positions=positions.reshape((n, *keys_shape[1:])), unique_keys=keys_index.uniq[:m][order])

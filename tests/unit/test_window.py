@@ -1,6 +1,8 @@
 import numpy as np
+import pytest
 
-from hvctr.train.window import build_window, fitting_prefix
+from hvctr.optim import _native
+from hvctr.train.window import build_window, fitting_prefix, index_keys
 
 
 def _brute_prefix(keys, max_rows):
@@ -11,18 +13,46 @@ def _brute_prefix(keys, max_rows):
     return best
 
 
-def test_fitting_prefix_matches_brute_force():
+@pytest.fixture(params=["native", "numpy"])
+def path(request):
+    if request.param == "numpy":
+        with _native.disabled():
+            yield request.param
+    else:
+        if _native.lib() is None:
+            pytest.skip("no C compiler: the native kernels are not built")
+        yield request.param
+
+
+def test_index_keys_first_occurrence(path):
+    rng = np.random.default_rng(2)
+    keys = rng.integers(0, 50, size=(3, 8, 4)).astype(np.uint64) << np.uint64(40)
+    idx = index_keys(keys)
+    flat = keys.reshape(-1)
+    assert np.array_equal(idx.uniq[idx.inverse], flat)
+    assert np.array_equal(flat[idx.first], idx.uniq)
+    assert np.all(np.diff(idx.first) > 0) and idx.uniq.size == np.unique(flat).size
+    # the first occurrence really is the first
+    for j, f in enumerate(idx.first):
+        assert np.flatnonzero(flat == idx.uniq[j])[0] == f
+
+
+def test_fitting_prefix_matches_brute_force(path):
     rng = np.random.default_rng(0)
     keys = rng.zipf(1.3, size=(8, 64, 26)).astype(np.uint64)
+    idx = index_keys(keys)
     for max_rows in (0, 50, 300, 800, 1500, 10**6):
-        assert fitting_prefix(keys, max_rows) == _brute_prefix(keys, max_rows), max_rows
+        assert fitting_prefix(idx, 8, max_rows) == _brute_prefix(keys, max_rows), max_rows
 
 
-def test_window_positions_index_unique_keys():
+@pytest.mark.parametrize("n", [3, 2, 1])
+def test_window_positions_index_sorted_unique_keys(path, n):
     rng = np.random.default_rng(1)
     keys = rng.integers(0, 2**63, size=(3, 16, 4), dtype=np.uint64)
     keys[1, :, 0] = keys[0, :, 0]  # shared keys across batches
-    w = build_window(5, 0, 10, np.zeros((3, 16), np.float32), np.zeros((3, 16, 13), np.float32), keys)
-    assert np.all(np.diff(w.unique_keys.astype(np.float64)) > 0)
-    assert np.array_equal(w.unique_keys[w.positions], keys)
-    assert w.num_batches == 3 and w.first_batch == 10
+    keys[2, :3, 1] = keys[0, :3, 2]
+    w = build_window(5, 0, 10, np.zeros((n, 16), np.float32), np.zeros((n, 16, 13), np.float32), keys.shape,
+                     index_keys(keys))
+    assert np.array_equal(w.unique_keys, np.unique(keys[:n]))  # sorted, and only the first n batches'
+    assert np.array_equal(w.unique_keys[w.positions], keys[:n])
+    assert w.num_batches == n and w.first_batch == 10
