@@ -6,8 +6,7 @@ Every call site of a collective carries a ``# comm:`` comment: ``grep -rn '# com
 lists every point where ranks wait for each other.
 
 ``hvctr.dist.world`` (mpi4py only) serves the checks before Horovod starts; ``Comm`` and
-``init_comm`` load Horovod (and torch) on first use, so a job that fails those checks exits
-before the heavy imports.
+``init_comm`` load Horovod (and torch) on first use, not when the package is imported.
 """
 
 from __future__ import annotations

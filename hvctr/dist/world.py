@@ -1,7 +1,7 @@
 """The MPI world before Horovod starts: rank, size, and agreeing on set-up errors.
 
-Light on purpose (mpi4py only, no torch, no Horovod), so that a job with a bad config or
-bad input fails in about a second, before the heavy imports.
+Light on purpose (mpi4py only, no torch, no Horovod): it runs before Horovod starts, and a
+job with a bad config or bad input stops there.
 
 A user error found by one rank must stop every rank, be reported once, and never leave a rank
 waiting in a collective. ``agree_on_errors`` gets there without guessing: every rank runs the

@@ -3,7 +3,7 @@
     mpirun -np 2 --bind-to none python -m mpi4py -m hvctr train --config run.toml --merge.every_k_steps=8
 
 Set-up order matters: the preflight (config and inputs checked on every rank, errors agreed
-and reported once, before Horovod and before torch is imported: hvctr.train.preflight),
+and reported once, before Horovod starts: hvctr.train.preflight),
 Horovod, placement (affinity, memory policy, threads: before CUDA and before any large
 allocation), then the trainer. Exit codes: 0 done, 2 bad config or input,
 75 (EX_TEMPFAIL) stopped by a signal after a checkpoint: the batch script requeues the job.
