@@ -45,7 +45,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:  # hvctr eval (hvctr
 
 def _start(cfg: Config, run_dir: Path):
     """Horovod, logging, placement, determinism. Returns (comm, device)."""
-    import torch  # here, not at the top: a job that fails its preflight never pays for torch
+    import torch  # here, not at the top: the preflight before it needs none of it
 
     from hvctr.dist import init_comm
 
