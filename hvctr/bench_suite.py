@@ -50,7 +50,8 @@ class Part:
 
 
 PARTS: dict[str, Part] = {
-    "preprocessing": Part("data_prep.bench", "## Preprocessing", ("--rows", "2000000", "--repeat", "2", "--benchmarks", "{md}"),
+    "preprocessing": Part("data_prep.bench", "## Preprocessing",
+                          ("--rows", "2000000", "--repeat", "2", "--benchmarks", "{md}"),
                           ("--rows", "200000", "--repeat", "1", "--benchmarks", "{md}"), True, 900),
     "store": Part("hvctr.storage.bench", "## Embedding store", ("--write", "{md}"),
                   ("--repeats", "3", "--shard-rows", "200000", "--policy-keys", "50000", "--windows", "4",
@@ -163,7 +164,8 @@ def plots_section(made: list[str], plots: Path, md: Path, times: dict[str, tuple
     what = {"k_sweep.png": "samples/s and AUC against k (training)",
             "cache_hit.png": "CPU cache hit rate against cache size: LRU, LFU with aging, the planner's ideal cache",
             "time_split.png": "where a step's time goes: the training runs, and the planner against its check runs"}
-    lines = [PLOTS_SECTION, "", f"Command: `hvctr bench {' '.join(argv)}`".rstrip() + "  ", f"Machine: {machine_line()}", ""]
+    cmd = f"hvctr bench {' '.join(argv)}".rstrip()
+    lines = [PLOTS_SECTION, "", f"Command: `{cmd}`  ", f"Machine: {machine_line()}", ""]
     lines += [f"- {what[m]}: ![{m}]({rel}/{m})" for m in made]
     lines += ["", "Wall time of each part: " + ", ".join(
         f"{n} {s / 60:.1f} min" + ("" if ok else " (FAILED)") for n, (ok, s) in times.items())

@@ -3,8 +3,9 @@
     python -m hvctr.plan.check [--rows 300000] [--ranks 1,2,3] [--modes sync,1,4,8] [--write BENCHMARKS.md]
 
 1. Synthetic data (data_prep synth + criteo, 8 shards), as the training benchmark makes it.
-2. This machine's rates, measured just before each group of runs with the same number of
-   ranks (other jobs on a shared machine come and go); ``--rates`` to use a file instead.
+2. This machine's rates, measured right before and right after each run with its number of
+   ranks (other jobs on a shared machine come and go; each per-item time is the mean of the
+   two calibrations); ``--rates`` to use a file instead.
 3. One ``hvctr train`` per (ranks, mode): the DNN of the defaults, batch 4096 per rank.
 4. For each run, the plan of the same job (``--data``: the unique-key curve of this data;
    the vm-2cpu map; one torch thread per rank, as an unbound rank runs), and:
@@ -21,6 +22,7 @@ more ranks than cores the figures are reported, not bounded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -91,17 +93,25 @@ def _train(work: Path, data: Path, ranks: int, mode: str) -> Path:
     return run_dir
 
 
-def _rates_for(work: Path, ranks: int, rates_path: str | None, quick: bool) -> RatesFile:
-    """The given rates file, or an entry measured now with min(ranks, cpus) ranks side by side."""
+def _measure_rates(work: Path, ranks: int, quick: bool) -> Rates:
+    """One entry measured now with min(ranks, cpus) ranks side by side."""
     from hvctr.plan.calibrate import run_ranks
 
-    if rates_path:
-        return load_rates(rates_path)
     r = min(ranks, os.cpu_count() or 1)
-    load = os.getloadavg()[0]
-    res = run_ranks(r, work, quick)
-    return RatesFile(name="this machine", source=f"measured with {r} rank(s) just before these runs, load average "
-                                                 f"{load:.1f}", entries=(Rates(ranks_per_node=r, **res["rates"]),))
+    return Rates(ranks_per_node=r, **run_ranks(r, work, quick)["rates"])
+
+
+def bracket(before: Rates, after: Rates) -> Rates:
+    """Rates of a run measured between two calibrations: each per-item time is the mean of
+    the two (so each rate is their harmonic mean); a run is as likely to meet either load."""
+    def mean(name: str) -> float:
+        a, b = getattr(before, name), getattr(after, name)
+        if name.endswith("_s"):
+            return (a + b) / 2
+        return 2 / (1 / a + 1 / b) if a > 0 and b > 0 else max(a, b)
+
+    names = [f.name for f in dataclasses.fields(Rates) if f.name != "ranks_per_node"]
+    return Rates(ranks_per_node=before.ranks_per_node, **{n: mean(n) for n in names})
 
 
 def check(work: Path, rows: int, ranks: list[int], modes: list[str], rates_path: str | None,
@@ -114,27 +124,36 @@ def check(work: Path, rows: int, ranks: list[int], modes: list[str], rates_path:
     data, _ = make_data(work, rows)
     curve = data_curve(str(data))
     hwmap = load_map(MAP)
-    out, measured_rates = [], {}
+    given = load_rates(rates_path) if rates_path else None
+    out, last = [], {}
     for w in ranks:
-        # Rates measured right before each group of runs: other jobs on the machine come and go.
-        rates = _rates_for(work, w, rates_path, quick_calibration)
-        measured_rates.update({e.ranks_per_node: e for e in rates.entries})
         node = node_info(hwmap, w, threads=1)
+        # Other jobs on a shared machine come and go: each run's rates are measured right
+        # before and right after it, with the run's number of ranks (at most the cpus).
+        before = None if given else _measure_rates(work, w, quick_calibration)
         for mode in modes:
+            load = os.getloadavg()[0]
             run_dir = _train(work, data, w, mode)
             m = measured(run_dir)
+            after = None if given else _measure_rates(work, w, quick_calibration)
+            rates = given or RatesFile(name="this machine", source="bracketing calibrations",
+                                       entries=(bracket(before, after),))
+            before = after
             flags = ["--merge.mode=sync"] if mode == "sync" else [f"--merge.every_k_steps={mode}"]
             job = job_from(load_config(None, flags), 1, w, int(curve.keys), int(curve.rows[-1]))
             p = predict(job, node, rates, curve, m["steps"])
             out.append({"ranks": w, "mode": mode, "oversubscribed": w > (os.cpu_count() or 1),
-                        "measured": m, "predicted": p, "load": os.getloadavg()[0], "rates_source": rates.source})
+                        "measured": m, "predicted": p, "load": [load, os.getloadavg()[0]]})
+            last[rates.entries[0].ranks_per_node] = rates.entries[0]
             print(json.dumps(out[-1]), flush=True)
-    every = RatesFile(name="this machine", source=f"measured by python -m hvctr.plan.check, {time.strftime('%Y-%m-%d %H:%M')}",
-                      entries=tuple(measured_rates[r] for r in sorted(measured_rates)))
+    every = RatesFile(name=os.uname().nodename, source=f"measured by python -m hvctr.plan.check around its runs, "
+                                                       f"{time.strftime('%Y-%m-%d %H:%M')}",
+                      entries=tuple(last[r] for r in sorted(last)))
     write_rates(every, work / "rates.toml")
+    source = given.source if given else ("measured with the run's number of ranks (at most the cpus) right before "
+                                         "and right after each run; each per-item time is the mean of the two")
     return {"rows": rows, "rates": rates_path or str(work / "rates.toml"), "results": out, "curve": curve.source,
-            "rates_source": rates_path and load_rates(rates_path).source
-            or "measured with the runs' rank count (at most the cpus) just before each group of runs"}
+            "rates_source": source}
 
 
 def _err(pred: float, meas: float) -> float:
@@ -148,11 +167,12 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
              "cache holding the whole table. Rates: " + res["rates_source"] + ".",
              "", "Bytes are per step, rank 0's counters (sparse: pull + warm + push; dense: the merge's payload) "
              "against the plan summed over the run's windows. Step time: from the progress records after the first "
-             f"window to the last. Bounds: bytes within {BYTES_BOUND:.0%}, step time within {TIME_BOUND:.0%}; 3 ranks "
-             "on 2 cores are oversubscribed: reported, not bounded.", "",
+             "window to the last. Load avg: the machine's 1-minute load average before and after the run (2 cpus: "
+             f"above 2, other jobs shared them). Bounds: bytes within {BYTES_BOUND:.0%}, step time within "
+             f"{TIME_BOUND:.0%}; 3 ranks on 2 cores are oversubscribed: reported, not bounded.", "",
              "| ranks | merge | steps | sparse B/step measured | predicted | error | dense B/step measured | predicted "
-             "| error | step ms measured | predicted | error | within bounds |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| error | step ms measured | predicted | error | load avg | within bounds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["results"]:
         m, p = r["measured"], r["predicted"]
         steps = m["steps"]
@@ -163,9 +183,10 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
         verdict = ("bytes yes, time reported (oversubscribed)" if r["oversubscribed"] and ok_bytes else
                    "yes" if ok_bytes and abs(et) <= TIME_BOUND else "NO")
         mode = "sync" if r["mode"] == "sync" else f"k = {r['mode']}"
-        lines.append(f"| {r['ranks']} | {mode} | {steps} | {m['sparse_bytes'] / steps:,.0f} | {p['sparse_bytes'] / steps:,.0f} "
+        lines.append(f"| {r['ranks']} | {mode} | {steps} | {m['sparse_bytes'] / steps:,.0f} "
+                     f"| {p['sparse_bytes'] / steps:,.0f} "
                      f"| {es:+.1%} | {m['dense_bytes'] / steps:,.0f} | {p['dense_bytes'] / steps:,.0f} | {ed:+.1%} "
-                     f"| {tm:,.0f} | {tp:,.0f} | {et:+.1%} | {verdict} |")
+                     f"| {tm:,.0f} | {tp:,.0f} | {et:+.1%} | {r['load'][0]:.1f}-{r['load'][1]:.1f} | {verdict} |")
     return "\n".join(lines) + "\n"
 
 
@@ -174,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=300_000)
     p.add_argument("--ranks", default="1,2,3")
     p.add_argument("--modes", default="sync,1,4,8", help="sync and values of k")
-    p.add_argument("--rates", default=None, help="a rates file to use instead of measuring before each group")
+    p.add_argument("--rates", default=None, help="a rates file to use instead of measuring around each run")
     p.add_argument("--rates-out", default="", help="also copy the rates measured here to this file")
     p.add_argument("--full-calibration", action="store_true", help="more repeats in each calibration")
     p.add_argument("--work-dir", help="scratch directory (kept; data is reused when present)")

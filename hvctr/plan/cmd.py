@@ -25,7 +25,7 @@ from hvctr.plan.rates import load_rates
 from hvctr.topo.hwmap import HardwareMap, format_cpulist, load_map
 from hvctr.topo.plan import plan_node
 
-DEFAULT_RATES = "bench/rates.toml"
+DEFAULT_RATES = str(Path(__file__).resolve().parents[2] / "bench" / "rates.toml")  # hvctr bench --calibrate
 
 
 def _count(text: str) -> int:
@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--map", required=True, metavar="HWMAP", help="hardware map of one node (slurm/hwmaps/)")
     p.add_argument("--nodes", type=_count, default=1)
     p.add_argument("--ranks-per-node", type=_count, default=0, help="default: one per GPU of the map, else 1")
-    p.add_argument("--keys", type=_count, default=0, help="distinct keys in the table (default with --data: the data's)")
+    p.add_argument("--keys", type=_count, default=0,
+                   help="distinct keys in the table (default with --data: the data's)")
     p.add_argument("--dim", type=_count, help="storage.dim")
     p.add_argument("--batch", type=_count, help="data.batch_size_per_rank")
     p.add_argument("--every-k-steps", type=_count, help="merge.every_k_steps")
@@ -65,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="network bandwidth per node in Gb/s (overrides the rates file's nic_bytes_per_s)")
     p.add_argument("--threads-per-rank", type=_count, default=0,
                    help="torch threads per rank (default: the placement plan's cpus, 1 without a GPU-less bind)")
-    p.add_argument("--ssd-bytes", type=_count, default=0, help="size of one SSD (default: its file system here, if any)")
+    p.add_argument("--ssd-bytes", type=_count, default=0,
+                   help="size of one SSD (default: its file system, when the map's SSD directory is on this machine)")
     p.add_argument("--gpu-memory-bytes", type=_count, default=0, help="default: read from the GPU model name (40GB)")
     p.add_argument("--config", help="a training config TOML (model, storage, merge, data sections)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -125,7 +127,8 @@ def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows:
 def _config(args: argparse.Namespace, overrides: list[str]) -> Config:
     named = {"dim": "storage.dim", "batch": "data.batch_size_per_rank", "every_k_steps": "merge.every_k_steps",
              "mode": "merge.mode", "cpu_cache_bytes": "storage.cpu_cache_bytes"}
-    flags = list(overrides) + [f"--{key}={getattr(args, a)}" for a, key in named.items() if getattr(args, a) is not None]
+    flags = list(overrides) + [f"--{key}={getattr(args, a)}" for a, key in named.items()
+                               if getattr(args, a) is not None]
     return load_config(args.config, flags)
 
 
@@ -155,10 +158,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     node = node_info(hwmap, rpn, args.threads_per_rank, args.ssd_bytes, args.gpu_memory_bytes)
     p = plan(job_from(cfg, args.nodes, rpn, keys, pass_rows), node, entry, curve)
     if args.data and args.keys and curve.keys > args.keys:
-        p.fits.append(("table", NO_FIT, f"the data holds {curve.keys:,.0f} distinct keys, more than --keys {args.keys:,}"))
+        p.fits.append(("table", NO_FIT,
+                       f"the data holds {curve.keys:,.0f} distinct keys, more than --keys {args.keys:,}"))
     if args.json:
-        print(json.dumps({"figures": p.figures, "fits": [{"where": w, "status": st, "why": why} for w, st, why in p.fits],
-                          "notes": p.notes}, indent=1))
+        fits = [{"where": w, "status": st, "why": why} for w, st, why in p.fits]
+        print(json.dumps({"figures": p.figures, "fits": fits, "notes": p.notes}, indent=1))
     else:
         nic = f"; network {args.nic_gbps:g} Gb/s per node (--nic-gbps)" if args.nic_gbps else ""
         print(format_plan(p, f"{rates.path} ({rates.name}: {rates.source}){nic}"))
@@ -200,14 +204,17 @@ def format_plan(p: Plan, rates_from: str) -> str:
         f"  CPU cache          {_b(f['cache_bytes'])}: {f['cache_rows']:,} rows, hit rate {f['cache_hit_rate']:.3f}",
         f"  host memory        {_b(f['host_bytes'])} (cache, working set and its messages, two windows of data, "
         "dense state, ~400 MiB of runtime)",
-        f"  working set        {f['working_set_rows']:,.0f} rows per window ({f['working_set_rows'] / (j.k * j.batch_size_per_rank):.2f} "
-        f"per sample), {f['batch_unique_rows']:,.0f} per batch; device {_b(f['device_bytes'])}",
-        f"  owner reads        {f['owner_rows_per_window']:,.0f} rows per window, {f['new_rows_per_window']:,.0f} of them new",
+        f"  working set        {f['working_set_rows']:,.0f} rows per window "
+        f"({f['working_set_rows'] / (j.k * j.batch_size_per_rank):.2f} per sample), "
+        f"{f['batch_unique_rows']:,.0f} per batch; device {_b(f['device_bytes'])}",
+        f"  owner reads        {f['owner_rows_per_window']:,.0f} rows per window, "
+        f"{f['new_rows_per_window']:,.0f} of them new",
         "",
         "per step, per rank (bytes to other ranks)",
         f"  pull               {_b(f['pull_bytes_per_step'])} (keys out, rows answered)",
         f"  warm               {_b(f['warm_bytes_per_step'])} (prefetch: keys to owners)",
-        f"  push               {_b(f['push_bytes_per_step'])} ({'gradients' if j.mode is MergeMode.SYNC else 'rows'} to owners)",
+        f"  push               {_b(f['push_bytes_per_step'])} "
+        f"({'gradients' if j.mode is MergeMode.SYNC else 'rows'} to owners)",
         f"  dense merge        {_b(f['dense_payload_bytes_per_step'])} payload, {_b(f['dense_wire_bytes_per_step'])} "
         "on the wire (ring)",
         f"  time               compute {_t(f['compute_s_per_step'])}, pull {_t(f['pull_s_per_step'])}, merge "

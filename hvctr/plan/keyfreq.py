@@ -14,9 +14,10 @@ Two sources:
   over ``keys`` keys, p_i ~ i^-s. D(n) = sum_i 1 - exp(-n F p_i), summed exactly for the
   first 2^16 ranks and by Euler-Maclaurin (a trapezoid in log i) beyond, so 10^11 keys
   cost milliseconds. An assumption: real fields have their own vocabularies.
-- ``data_curve(data_dir)``: measured on a data_prep output: exact distinct counts on a prefix of the train split (small sizes: the mean over up
-  to 16 disjoint windows; larger ones: the prefix itself),
-  and the whole split's count from the union of its shards' HyperLogLog sketches.
+- ``data_curve(data_dir)``: measured on a data_prep output: exact distinct counts on a
+  prefix of the train split (small sizes: the mean over up to 16 disjoint windows; larger
+  ones: the prefix itself), and the whole split's count from the union of its shards'
+  HyperLogLog sketches.
 
 Between measured points D is interpolated linearly in log n / log D; below the first point
 it grows linearly, beyond the last with the last segment's slope, never above n * F nor

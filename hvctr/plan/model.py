@@ -311,7 +311,8 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         "dense_wire_bytes_per_step": payload / k * 2 * (W - 1) / W,
         "sparse_bytes_per_step": sum(sparse.values()) / k,
         **{f"{name}_s_per_step": v / k for name, v in t.items()},
-        "step_s": window / k, "bound_by": max(phases, key=phases.get), "samples_per_s_per_rank": B * k / window, "samples_per_s": W * B * k / window,
+        "step_s": window / k, "bound_by": max(phases, key=phases.get),
+        "samples_per_s_per_rank": B * k / window, "samples_per_s": W * B * k / window,
     }
     p = Plan(job, node, rates, curve, figures, [], notes)
     p.fits = _fits(p, shard_in_ram)
