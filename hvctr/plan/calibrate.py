@@ -152,7 +152,7 @@ def store_rates(work: str, batches: int) -> dict[str, float]:
         timed("new", lambda: store.read(k))
         timed("hit", lambda: store.read(k))
         timed("write", lambda: store.write(k, rows))
-    store.flush()
+    timed("flush", store.flush)  # every row is dirty: created, then written
     store.cache.clear()
     for k in keys:  # rows on the shard, the file's pages in the page cache
         timed("shard", lambda: store.warm(k))
@@ -160,7 +160,7 @@ def store_rates(work: str, batches: int) -> dict[str, float]:
     os.unlink(path)
     rate = {name: n / statistics.median(v) for name, v in t.items()}
     return {"new_rows_per_s": rate["new"], "cache_rows_per_s": rate["hit"], "cache_write_rows_per_s": rate["write"],
-            "shard_rows_per_s": rate["shard"]}
+            "shard_rows_per_s": rate["shard"], "flush_rows_per_s": batches * n / t["flush"][0]}
 
 
 def disk_rate(work: str, shard_rows: int, reads: int, repeats: int) -> dict[str, float]:

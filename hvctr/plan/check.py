@@ -14,7 +14,8 @@
    - dense bytes per step: ``dense_merge_bytes`` (the merge's payload) likewise;
    - step time: the progress records of metrics.jsonl after the first window (the first
      pulls only new rows and nothing is prefetched for it) to the last, against the plan's
-     window times summed over the same windows (a short last window costs more per step).
+     window times summed over the same windows (a short last window costs more per step)
+     plus its end of pass (the cache's dirty rows written back before the last record).
 Bounds: bytes within 10%, step time within 30% where ranks do not outnumber cores; with
 more ranks than cores the figures are reported, not bounded.
 """
@@ -59,8 +60,10 @@ def predict(job: Job, node, rates: RatesFile, curve: KeyCurve, steps: int) -> di
     payload = dense_payload_bytes(dense_params(job.model, job.dim), job.mode, job.states, job.compression)
     dense = payload * (steps if job.mode is MergeMode.SYNC else len(wins))
     entry = rates.for_ranks(job.ranks_per_node)
-    seconds = sum(plan(replace(job, every_k_steps=n), node, entry, curve).figures["step_s"] * n for n in wins[1:])
     f = plan(job, node, entry, curve).figures
+    # the last progress record comes after the end of the pass, which flushes the cache
+    seconds = sum(plan(replace(job, every_k_steps=n), node, entry, curve).figures["step_s"] * n for n in wins[1:])
+    seconds += f["end_of_pass_s"]
     split = {k: f[f"{k}_s_per_step"] for k in ("compute", "pull", "merge")}
     split["prep"] = max(f["step_s"] - sum(split.values()), 0.0)  # the prefetch time not hidden
     return {"sparse_bytes": sparse, "dense_bytes": dense, "timed_steps": sum(wins[1:]), "timed_s": seconds,

@@ -200,7 +200,8 @@ def format_plan(p: Plan, rates_from: str) -> str:
         f"  SSD shard          {_b(f['shard_bytes'])}: {f['shard_capacity_rows']:,} rows (storage.rows_per_rank) at "
         f"load factor {j.max_load_factor:g}: index {_b(f['shard_index_bytes'])}, rows {_b(f['shard_rows_bytes'])}, "
         f"meta {_b(f['shard_meta_bytes'])}",
-        f"  checkpoint base    {_b(f['checkpoint_base_bytes'])} (keys, rows, TTL pass; where checkpoint.dir is)",
+        f"  checkpoint base    {_b(f['checkpoint_base_bytes'])} (keys, rows, TTL pass; where checkpoint.dir is); "
+        f"the end of a pass writes the dirty cache back: {_t(f['end_of_pass_s'])}",
         f"  CPU cache          {_b(f['cache_bytes'])}: {f['cache_rows']:,} rows, hit rate {f['cache_hit_rate']:.3f}",
         f"  host memory        {_b(f['host_bytes'])} (cache, working set and its messages, two windows of data, "
         "dense state, ~400 MiB of runtime)",

@@ -304,6 +304,9 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         "checkpoint_base_bytes": capacity * (KEY_BYTES + layout.row_bytes + 4),
         "cache_bytes": job.cpu_cache_bytes, "cache_rows": cache_entries, "cache_hit_rate": hit,
         "host_bytes": host_rank,
+        # the end of a pass writes every dirty cached row back (as does a checkpoint)
+        "end_of_pass_s": (min(cache_entries, keys_per_rank) / rates.flush_rows_per_s
+                          if rates.flush_rows_per_s else 0.0),
         "working_set_rows": u, "batch_unique_rows": u_b, "owner_rows_per_window": u_o,
         "new_rows_per_window": new_o, "device_bytes": dev_bytes,
         "pull_bytes_per_step": sparse["pull"] / k, "warm_bytes_per_step": sparse["warm"] / k,

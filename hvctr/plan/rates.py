@@ -45,6 +45,7 @@ DOC = {
     "intra_node_bytes_per_s": "collective payload between ranks of one node, bytes/s per rank",
     "nic_bytes_per_s": "across nodes, bytes/s per node; 0: not measured (one node)",
     "device_bytes_per_s": "host <-> accelerator copies, bytes/s; 0: no accelerator (the working set stays on the host)",
+    "flush_rows_per_s": "dirty cached rows written back to the shard (end of pass, checkpoint), rows/s; 0: unknown",
 }
 
 
@@ -69,6 +70,7 @@ class Rates:
     intra_node_bytes_per_s: float
     nic_bytes_per_s: float = 0.0
     device_bytes_per_s: float = 0.0
+    flush_rows_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
