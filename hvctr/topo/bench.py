@@ -2,11 +2,12 @@
 
     python -m hvctr.topo.bench --map slurm/hwmaps/vm-2cpu.toml [--write BENCHMARKS.md]
 
-Two worker processes (the two ranks of a node) run the same memory-bound kernels at once:
+Two worker processes (the two ranks of a node) run the same kernel at once:
 
 - ``gather``: random rows of a table larger than the last-level cache (the embedding
   gather: latency-bound), 64-byte rows, one cache line each;
-- ``triad``: ``a = b + s * c`` over arrays larger than the cache (bandwidth-bound).
+- ``triad``: ``a = b + s * c`` over arrays larger than the cache (bandwidth-bound);
+- ``compute``: a 192x192 float32 matmul that stays in L2 (cpu-bound, like the MLP step).
 
 Modes, interleaved within every round so that load from other processes hits all alike:
 
@@ -50,7 +51,11 @@ def _worker(mode: str, kernel: str, rank: int, hwmap_path: str, mib: int, iters:
         plan = plans[rank if mode == "pinned" else 0]
         os.sched_setaffinity(0, plan.cpus)
         set_memory_policy(MemoryPolicy.PREFERRED, plan.numa_node)
-    if kernel == "gather":
+    if kernel == "compute":  # a matmul that lives in the L2 cache: cpu-bound, like the MLP step
+        x = np.random.default_rng(rank).random((192, 192), dtype=np.float32)
+        y = np.empty_like(x)
+        work, nbytes = (lambda: np.matmul(x, x, out=y)), 2 * 192 ** 3  # flops, reported per second
+    elif kernel == "gather":
         rows = (mib << 20) // 64
         table = np.ones((rows, 16), dtype=np.float32)  # first touch after binding
         idx = np.random.default_rng(rank).integers(0, rows, size=1 << 20)
@@ -89,11 +94,19 @@ def _migrations() -> int:
     return -1
 
 
+# A rank's kernel runs on its own cpus: BLAS must not start a thread per cpu of the machine.
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+KERNELS = {"gather": ("GB/s", "gather (random 64 B rows)"), "triad": ("GB/s", "triad"),
+           "compute": ("GFLOP/s", "compute (192x192 matmul, in L2)")}
+ITERS_SCALE = {"gather": 1, "triad": 1, "compute": 400}  # a matmul call is short: more of them per round
+
+
 def _pair(mode: str, kernel: str, hwmap: str, mib: int, iters: int) -> dict:
     """Both workers' bytes over the span from the first start to the last end: the pair's rate."""
     with tempfile.TemporaryDirectory() as sync:
         procs = [subprocess.Popen([sys.executable, "-m", "hvctr.topo.bench", "--worker", mode, kernel, str(r),
-                                   hwmap, str(mib), str(iters), sync], stdout=subprocess.PIPE, text=True)
+                                   hwmap, str(mib), str(iters), sync], stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, **_ONE_THREAD})
                  for r in range(2)]
         while not all(Path(sync, f"ready{r}").exists() for r in range(2)):
             if any(p.poll() not in (None, 0) for p in procs):
@@ -102,7 +115,7 @@ def _pair(mode: str, kernel: str, hwmap: str, mib: int, iters: int) -> dict:
         Path(sync, "go").touch()
         results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
     span = max(r["end"] for r in results) - min(r["start"] for r in results)
-    return {"mode": mode, "kernel": kernel, "gbs": sum(r["bytes"] for r in results) / span / 1e9,
+    return {"mode": mode, "kernel": kernel, "rate": sum(r["bytes"] for r in results) / span / 1e9,
             "migrations_per_s": sum(r["migrations"] for r in results) / span, "cpus": [r["cpus"] for r in results]}
 
 
@@ -111,14 +124,14 @@ def _measure(args: argparse.Namespace) -> dict:
     moves: dict[str, list[float]] = {}
     load0 = os.getloadavg()[0]  # other processes on the machine skew every mode; say how busy it was
     for rnd in range(args.rounds):
-        for kernel in ("gather", "triad"):
+        for kernel in KERNELS:
             for mode in MODES[rnd % 3:] + MODES[: rnd % 3]:  # rotate the order: no mode always runs first
-                r = _pair(mode, kernel, args.map, args.mib, args.iters)
-                runs.setdefault((kernel, mode), []).append(r["gbs"])
+                r = _pair(mode, kernel, args.map, args.mib, args.iters * ITERS_SCALE[kernel])
+                runs.setdefault((kernel, mode), []).append(r["rate"])
                 moves.setdefault(mode, []).append(r["migrations_per_s"])
                 print(json.dumps({"round": rnd, **r}), flush=True)
     ratios = {(k, m): [x / b for x, b in zip(runs[(k, m)], runs[(k, "unpinned")])]
-              for k in ("gather", "triad") for m in ("pinned", "packed")}
+              for k in KERNELS for m in ("pinned", "packed")}
     return {"runs": runs, "ratios": ratios, "moves": {m: statistics.median(v) for m, v in moves.items()},
             "load": (load0, os.getloadavg()[0])}
 
@@ -130,20 +143,26 @@ def _cell(values: list[float]) -> str:
 def section(res: dict, args: argparse.Namespace, shown: str, machine: str) -> str:
     """The '## Placement' section of BENCHMARKS.md: this run's table, then the figures on paper."""
     rows = [f"| {label} | {_cell(res['ratios'][(k, 'pinned')])} | {_cell(res['ratios'][(k, 'packed')])} | "
-            f"{statistics.median(res['runs'][(k, 'unpinned')]):.2f} GB/s |"
-            for k, label in (("gather", "gather (random 64 B rows)"), ("triad", "triad"))]
-    busy = res["load"][1] > (os.cpu_count() or 1)
+            f"{statistics.median(res['runs'][(k, 'unpinned')]):.2f} {unit} |" for k, (unit, label) in KERNELS.items()]
+    busy = res["load"][1] > (os.cpu_count() or 1) + 2  # beyond our own two workers
+
+    def med(kernel: str, mode: str) -> float:
+        return statistics.median(res["ratios"][(kernel, mode)])
+
+    pinned = ", ".join(f"{med(k, 'pinned'):.2f} {k}" for k in KERNELS)
     moves = res["moves"]
     return "\n".join([
         "## Placement", "", "### What binding changes on this machine (measured)", "",
         f"Command: `{shown}`  ", f"Machine: {machine}; load average {res['load'][1]:.1f} at the end.", "",
-        f"Two worker processes (the two ranks of a node) run the same memory-bound kernel at once on {args.mib} MiB "
-        "each: `gather` = 1M random 64-byte rows per call (the embedding gather, latency-bound), `triad` = "
-        "`a = b + 3c` (bandwidth-bound). Modes, interleaved in rotating order within every round: `pinned` = each "
-        "worker bound to its row of the plan (affinity and preferred memory policy) before it allocates, as "
-        "`apply_placement` does; `unpinned` = no binding; `packed` = both bound to the first rank's cpus, what two "
-        "binding layers that disagree produce. The pair's rate is both workers' bytes over the span from the first "
-        f"start to the last end; ratios to `unpinned` in the same round, median (min-max) over {args.rounds} rounds.",
+        f"Two worker processes (the two ranks of a node) run the same kernel at once: `gather` = 1M random "
+        f"64-byte rows per call from a {args.mib} MiB table (the embedding gather, latency-bound), `triad` = "
+        f"`a = b + 3c` over {args.mib} MiB (bandwidth-bound), `compute` = a 192x192 float32 matmul that stays in "
+        "L2 (cpu-bound, like the MLP step), one BLAS thread. Modes, interleaved in rotating order within every "
+        "round: `pinned` = each worker bound to its row of the plan (affinity and preferred memory policy) before "
+        "it allocates, as `apply_placement` does; `unpinned` = no binding; `packed` = both bound to the first "
+        "rank's cpus, what two binding layers that disagree produce. The pair's rate is both workers' work over "
+        "the span from the first start to the last end; ratios to `unpinned` in the same round, median (min-max) "
+        f"over {args.rounds} rounds.",
         "", "| kernel | pinned / unpinned | packed / unpinned | unpinned pair |", "|---|---|---|---|", *rows, "",
         "CPU migrations per second, both workers (/proc/self/sched): "
         + ", ".join(f"{m} {v:.1f}" for m, v in moves.items()) + ".", "",
@@ -151,12 +170,16 @@ def section(res: dict, args: argparse.Namespace, shown: str, machine: str) -> st
         "- With one NUMA node there is no remote memory: the memory policy changes nothing, and binding only "
         "decides which cpu each rank runs on. The scheduler already keeps two busy ranks on different cpus and "
         f"rarely moves an unpinned one ({moves.get('unpinned', 0):.1f} migrations per second), so pinned against "
-        "unpinned measures noise here, not locality.",
-        "- `packed` gives a pair one cpu instead of two: on an idle machine about half the cpu time, which the "
-        "compute-bound part of a kernel feels in full."
-        + (" With more runnable processes than cpus (this run) the scheduler's fairness hands every process its "
-           "share whatever its binding, so the ratios above are not the idle-machine figures." if busy else ""),
-        "- What binding does to a rank is therefore verified, not timed: `tests/mpi/test_placement.py` checks under "
+        f"unpinned (medians {pinned}) measures noise "
+        "here, not locality.",
+        f"- `packed` gives the pair one cpu instead of two. The cpu-bound kernel shows what that costs "
+        f"({med('compute', 'packed'):.2f}); the memory-bound ones lose less ({med('gather', 'packed'):.2f} gather, "
+        f"{med('triad', 'packed'):.2f} triad) where one cpu already keeps most of this VM's memory path busy. "
+        "Binding by two layers that disagree is the failure that matters here, hence the warning when a "
+        "launcher binds too."
+        + (" This run had more runnable processes than cpus: the scheduler's fairness then hands every process "
+           "its share whatever its binding, and the ratios drift toward 1." if busy else ""),
+        "- What binding does to a rank is verified, not timed: `tests/mpi/test_placement.py` checks under "
         "`mpirun -np 2` and `-np 3` that every thread's affinity (Horovod's background thread too), the memory "
         "policy and the thread count equal the plan; `tests/unit/test_topo_bind.py` that the affinity is "
         "intersected with what the process was allowed at start.",
@@ -217,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     for (kernel, mode), ratios in res["ratios"].items():
         print(f"{kernel}: {mode}/unpinned median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, "
               f"max {max(ratios):.3f}, {len(ratios)} rounds); unpinned pair "
-              f"{statistics.median(res['runs'][(kernel, 'unpinned')]):.2f} GB/s")
+              f"{statistics.median(res['runs'][(kernel, 'unpinned')]):.2f} {KERNELS[kernel][0]}")
     if args.write:
         kept = [a for a in argv if not a.startswith("--write") and a != args.write]
         shown = " ".join(["python -m hvctr.topo.bench", *kept])
