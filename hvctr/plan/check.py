@@ -12,10 +12,11 @@
    - sparse bytes per step: rank 0's ``sparse_exchange_bytes`` (pull, warm, push) over its
      steps, against the plan's per-window bytes summed over the run's windows;
    - dense bytes per step: ``dense_merge_bytes`` (the merge's payload) likewise;
-   - step time: the progress records of metrics.jsonl after the first window (the first
-     pulls only new rows and nothing is prefetched for it) to the last, against the plan's
-     window times summed over the same windows (a short last window costs more per step)
-     plus its end of pass (the cache's dirty rows written back before the last record).
+   - step time: the median time per step of the windows after the first (the first pulls
+     only new rows and nothing is prefetched for it), from the progress records of
+     metrics.jsonl, without the last window unless it is the only one (it may be short, and
+     the end of the pass, which writes the cache's dirty rows back, comes before its record);
+     a median, so that a moment of load from other jobs does not decide the figure.
 Bounds: bytes within 10%, step time within 30% where ranks do not outnumber cores; with
 more ranks than cores the figures are reported, not bounded.
 """
@@ -26,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -50,9 +52,11 @@ def windows_of(steps: int, k: int) -> list[int]:
     return [k] * (steps // k) + ([steps % k] if steps % k else [])
 
 
-def predict(job: Job, node, rates: RatesFile, curve: KeyCurve, steps: int) -> dict[str, float]:
-    """The plan's totals for a run of ``steps`` steps of ``job``: bytes of all windows, and the
-    seconds of windows 1.. (the first is left out, as in the measurement)."""
+def predict(job: Job, node, rates: RatesFile, curve: KeyCurve, steps: int, last_only: bool,
+            last_steps: int) -> dict[str, Any]:
+    """The plan of a run of ``steps`` steps of ``job``: the bytes of all its windows, and the
+    time per step of a full window (or, when only the last window is timed, of that window
+    and the end of the pass after it)."""
     wins = windows_of(steps, job.k)
     B, W = job.batch_size_per_rank, job.world_size
     sparse = sum(sum(sparse_bytes_per_window(curve(n * B), W, job.dim, job.mode, job.prefetch).values())
@@ -61,23 +65,29 @@ def predict(job: Job, node, rates: RatesFile, curve: KeyCurve, steps: int) -> di
     dense = payload * (steps if job.mode is MergeMode.SYNC else len(wins))
     entry = rates.for_ranks(job.ranks_per_node)
     f = plan(job, node, entry, curve).figures
-    # the last progress record comes after the end of the pass, which flushes the cache
-    seconds = sum(plan(replace(job, every_k_steps=n), node, entry, curve).figures["step_s"] * n for n in wins[1:])
-    seconds += f["end_of_pass_s"]
+    step_s = f["step_s"]
+    if last_only:
+        last = plan(replace(job, every_k_steps=last_steps), node, entry, curve).figures
+        step_s = last["step_s"] + f["end_of_pass_s"] / last_steps
     split = {k: f[f"{k}_s_per_step"] for k in ("compute", "pull", "merge")}
     split["prep"] = max(f["step_s"] - sum(split.values()), 0.0)  # the prefetch time not hidden
-    return {"sparse_bytes": sparse, "dense_bytes": dense, "timed_steps": sum(wins[1:]), "timed_s": seconds,
-            "step_s": f["step_s"], "split_s": split}
+    return {"sparse_bytes": sparse, "dense_bytes": dense, "step_s": step_s, "split_s": split}
 
 
-def measured(run_dir: Path) -> dict[str, float]:
+def measured(run_dir: Path) -> dict[str, Any]:
+    """Counters of the run's summary, and the time per step of each window after the first,
+    from the progress records (one after every window). The last window is left out when
+    there are others: it may be short, and its record comes after the end of the pass."""
     s = json.loads((run_dir / "summary.json").read_text())
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     prog = [e for e in events if e.get("event") == "progress"]
     if len(prog) < 2:
         raise RuntimeError(f"{run_dir}: fewer than two progress records; use more rows")
+    spans = [(b["step"] - a["step"], b["time"] - a["time"]) for a, b in zip(prog, prog[1:])]
+    timed = spans[:-1] or spans
     return {"steps": s["steps"], "sparse_bytes": s["sparse_exchange_bytes"], "dense_bytes": s["dense_merge_bytes"],
-            "timed_steps": prog[-1]["step"] - prog[0]["step"], "timed_s": prog[-1]["time"] - prog[0]["time"],
+            "window_step_s": [dt / n for n, dt in timed], "step_s": statistics.median(dt / n for n, dt in timed),
+            "last_only": len(spans) == 1, "last_steps": spans[-1][0],
             "samples_per_s": s["samples_per_s"], "time_split_s": s["time_split_s"]}
 
 
@@ -144,7 +154,7 @@ def check(work: Path, rows: int, ranks: list[int], modes: list[str], rates_path:
             before = after
             flags = ["--merge.mode=sync"] if mode == "sync" else [f"--merge.every_k_steps={mode}"]
             job = job_from(load_config(None, flags), 1, w, int(curve.keys), int(curve.rows[-1]))
-            p = predict(job, node, rates, curve, m["steps"])
+            p = predict(job, node, rates, curve, m["steps"], m["last_only"], m["last_steps"])
             out.append({"ranks": w, "mode": mode, "oversubscribed": w > (os.cpu_count() or 1),
                         "measured": m, "predicted": p, "load": [load, os.getloadavg()[0]]})
             last[rates.entries[0].ranks_per_node] = rates.entries[0]
@@ -169,8 +179,10 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
              "Model: DNN 26 x 16 dims, MLP 512-256-1, batch 4096 per rank, one epoch, one torch thread per rank, "
              "cache holding the whole table. Rates: " + res["rates_source"] + ".",
              "", "Bytes are per step, rank 0's counters (sparse: pull + warm + push; dense: the merge's payload) "
-             "against the plan summed over the run's windows. Step time: from the progress records after the first "
-             "window to the last. Load avg: the machine's 1-minute load average before and after the run (2 cpus: "
+             "against the plan summed over the run's windows. Step time: the median over the run's windows after "
+             "the first (each window's time per step, from the progress record written after it) of the full "
+             "windows: the last, which may be short and is followed by the end of the pass, only when it is the "
+             "sole one (the plan then adds the end of the pass). Load avg: the machine's 1-minute load average before and after the run (2 cpus: "
              f"above 2, other jobs shared them). Bounds: bytes within {BYTES_BOUND:.0%}, step time within "
              f"{TIME_BOUND:.0%}; 3 ranks on 2 cores are oversubscribed: reported, not bounded.", "",
              "| ranks | merge | steps | sparse B/step measured | predicted | error | dense B/step measured | predicted "
@@ -180,7 +192,7 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
         m, p = r["measured"], r["predicted"]
         steps = m["steps"]
         es, ed = _err(p["sparse_bytes"], m["sparse_bytes"]), _err(p["dense_bytes"], m["dense_bytes"])
-        tm, tp = 1e3 * m["timed_s"] / m["timed_steps"], 1e3 * p["timed_s"] / p["timed_steps"]
+        tm, tp = 1e3 * m["step_s"], 1e3 * p["step_s"]
         et = _err(tp, tm)
         ok_bytes = abs(es) <= BYTES_BOUND and abs(ed) <= BYTES_BOUND
         verdict = ("bytes yes, time reported (oversubscribed)" if r["oversubscribed"] and ok_bytes else
