@@ -131,3 +131,12 @@ def test_apply_with_a_missing_map_names_the_key(bad):
                         f"apply_placement(TopologyConfig(hwmap={bad!r}), 0, 1)"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode != 0 and "config key 'topology.hwmap': hardware map nope.toml does not exist" in r.stderr
+
+
+def test_pci_bus_ids_compare_across_spellings():
+    from hvctr.topo.bind import _pci_tuple
+
+    # The map writes sysfs's 4-digit domain; nvidia-smi and CUDA print 8 digits.
+    assert _pci_tuple("0000:07:00.0") == _pci_tuple("00000000:07:00.0") == (0, 7, 0)
+    assert _pci_tuple("0000:bd:00.0") == (0, 0xBD, 0)
+    assert _pci_tuple("") is None
