@@ -27,7 +27,8 @@ Time per window is the sum of per-item costs at the measured rates (hvctr.plan.r
             (sync: the gradient push, store reads, Adam on the owner's rows, writes)
 
 The prefetch thread overlaps the main thread when the rank has a core to spare for it
-(more cpus than torch threads), else its time adds. More ranks than cpus stretch every CPU
+(more cpus than torch threads), else its time adds. On a CPU, a rank's torch threads share
+the dense model's matrix products (rates are one thread's; assumed to scale linearly). More ranks than cpus stretch every CPU
 time by ranks / cpus. A collective's time is latency + payload copies + wire bytes over the
 node's links (ring allreduce: 2 (W - 1) / W of the payload; across nodes the node's NIC
 carries its ranks' share).
@@ -201,7 +202,7 @@ class _Costs:
 
 
 def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float, shard_rate: float,
-                  on_device: bool) -> dict[str, float]:
+                  on_device: bool, threads: int) -> dict[str, float]:
     """Seconds of each phase of one window on one rank (see the module docstring)."""
     r, W, k, B, D = c.r, job.world_size, job.k, job.batch_size_per_rank, job.dim
     F = job.model.num_fields
@@ -222,7 +223,9 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     P = dense_params(job.model, D)
     flops = dense_flops_per_sample(job.model, D) * B
     cpu_compute = 1.0 if on_device else c.cpu  # an accelerator is not shared with other ranks' threads
-    step = (cpu_compute * (flops / r.compute_flops_per_s + P / r.dense_adam_params_per_s
+    # Rates are one thread's; on the CPU, torch's threads share the matrix products (assumed linear).
+    dense_threads = 1 if on_device else max(threads, 1)
+    step = (cpu_compute * (flops / (r.compute_flops_per_s * dense_threads) + P / r.dense_adam_params_per_s
                            + B * F / r.sparse_keys_per_s + u_b / r.sparse_rows_per_s + r.step_overhead_s))
     compute = k * step
     payload = dense_payload_bytes(P, job.mode, job.states, job.compression)
@@ -282,7 +285,7 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     shard_rate = rates.shard_rows_per_s if shard_in_ram else rates.disk_rows_per_s
     cpu = _stretch(job, node, rates)
     t = _window_times(job, _Costs(rates, cpu, job.nodes, job.ranks_per_node), curve, hit, new_o, shard_rate,
-                      on_device)
+                      on_device, node.threads_per_rank)
     spare_core = node.cpus / job.ranks_per_node >= node.threads_per_rank + 1
     main = t["pull"] + t["compute"] + t["merge"]
     overlapped = job.prefetch and spare_core
