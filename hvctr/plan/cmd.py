@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nic-gbps", type=float, default=0.0,
                    help="network bandwidth per node in Gb/s (overrides the rates file's nic_bytes_per_s)")
     p.add_argument("--threads-per-rank", type=_count, default=0,
-                   help="torch threads per rank (default: the placement plan's cpus, 1 without a GPU-less bind)")
+                   help="torch threads per rank (default: the placement plan's cpus per rank, as a bound rank "
+                        "runs; 1 for ranks started without a hardware map)")
     p.add_argument("--ssd-bytes", type=_count, default=0,
                    help="size of one SSD (default: its file system, when the map's SSD directory is on this machine)")
     p.add_argument("--gpu-memory-bytes", type=_count, default=0, help="default: read from the GPU model name (40GB)")
