@@ -172,11 +172,11 @@ def section(res: dict, args: argparse.Namespace, shown: str, machine: str) -> st
         f"rarely moves an unpinned one ({moves.get('unpinned', 0):.1f} migrations per second), so pinned against "
         f"unpinned (medians {pinned}) measures noise "
         "here, not locality.",
-        f"- `packed` gives the pair one cpu instead of two. The cpu-bound kernel shows what that costs "
-        f"({med('compute', 'packed'):.2f}); the memory-bound ones lose less ({med('gather', 'packed'):.2f} gather, "
-        f"{med('triad', 'packed'):.2f} triad) where one cpu already keeps most of this VM's memory path busy. "
-        "Binding by two layers that disagree is the failure that matters here, hence the warning when a "
-        "launcher binds too."
+        f"- `packed` gives the pair one cpu instead of two. The cpu-bound matmul and the latency-bound gather "
+        f"(each core waits on its own misses) show what that costs: {med('compute', 'packed'):.2f} and "
+        f"{med('gather', 'packed'):.2f}. The bandwidth-bound triad loses less ({med('triad', 'packed'):.2f}) as "
+        "far as one cpu already keeps the VM's memory bandwidth busy. Binding by two layers that disagree is the "
+        "failure that matters on this machine, hence the warning when a launcher binds too."
         + (" This run had more runnable processes than cpus: the scheduler's fairness then hands every process "
            "its share whatever its binding, and the ratios drift toward 1." if busy else ""),
         "- What binding does to a rank is verified, not timed: `tests/mpi/test_placement.py` checks under "
