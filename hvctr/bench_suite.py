@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -122,8 +123,17 @@ def run_part(name: str, cmd: list[str], md: Path, log: Path) -> tuple[bool, floa
     after = md.read_text() if md.exists() else ""
     if not part.writes_section and after == before:  # the module printed its figures: keep them
         write_section(md, part.heading, _fallback_section(part, cmd, log.read_text()))
+    _drop_run_dirs(log.parent / name)
     print(f"[bench] {name} done in {seconds:.0f} s", flush=True)
     return True, seconds
+
+
+def _drop_run_dirs(work: Path) -> None:
+    """Training runs leave shard and checkpoint files of hundreds of MB per rank; only their
+    summaries and metrics are read after the part, and the disk is shared."""
+    for run in work.glob("runs/*"):
+        for big in ("shards", "checkpoints"):
+            shutil.rmtree(run / big, ignore_errors=True)
 
 
 def _cache_sweep(quick: bool) -> tuple[list[dict], list[tuple[float, float]], int]:

@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -98,8 +99,6 @@ def _train(work: Path, data: Path, ranks: int, mode: str) -> Path:
 
     run_dir = work / "runs" / f"w{ranks}-{mode}"
     if run_dir.exists():
-        import shutil
-
         shutil.rmtree(run_dir)
     merge = ["--merge.mode=sync"] if mode == "sync" else [f"--merge.every_k_steps={mode}"]
     cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", PY, "-m", "mpi4py", "-m", "hvctr", "train",
@@ -150,6 +149,8 @@ def check(work: Path, rows: int, ranks: list[int], modes: list[str], rates_path:
             load = os.getloadavg()[0]
             run_dir = _train(work, data, w, mode)
             m = measured(run_dir)
+            for big in ("shards", "checkpoints"):  # hundreds of MB per rank: the disk is shared
+                shutil.rmtree(run_dir / big, ignore_errors=True)
             after = None if given else _measure_rates(work, w, quick_calibration)
             rates = given or RatesFile(name="this machine", source="bracketing calibrations",
                                        entries=(bracket(before, after),))
