@@ -65,6 +65,8 @@ def hvctr_run(work: Path, data: Path, name: str, flags: list[str]) -> dict[str, 
     run_dir.mkdir(parents=True)
     _run(cmd, work / f"{name}.log")
     s = json.loads((run_dir / "summary.json").read_text())
+    # ~0.9 GB of shard per rank and a checkpoint base per run: 19 runs would fill the shared disk
+    subprocess.run(["rm", "-rf", str(run_dir / "shards"), str(run_dir / "checkpoints")], check=True)
     return {"system": name, "samples_per_s": s["samples_per_s"], "auc": s["eval"]["auc"],
             "logloss": s["eval"]["logloss"], "copc": s["eval"]["copc"], "time_split_s": s["time_split_s"],
             "dense_bytes_per_sample": s["dense_bytes_per_sample"], "sparse_bytes_per_sample": s["sparse_bytes_per_sample"],
