@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,26 +58,32 @@ def make_data(work: Path, rows: int) -> tuple[Path, float]:
 
 
 def hvctr_run(work: Path, data: Path, name: str, flags: list[str]) -> dict[str, Any]:
+    """One 2-rank training run; a run whose summary exists is not repeated (resumable bench)."""
     run_dir = work / "runs" / name
-    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    cmd = ["mpirun", "-np", "2", "--bind-to", "none", PY, "-m", "mpi4py", "-m", "hvctr", "train",
-           f"--data.train_dir={data}", f"--train.run_dir={run_dir}", "--metrics.log_every_steps=1000",
-           "--storage.rows_per_rank=4000000", "--storage.max_working_set_rows=2000000", *flags]
-    run_dir.mkdir(parents=True)
-    _run(cmd, work / f"{name}.log")
+    if not (run_dir / "summary.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        cmd = ["mpirun", "-np", "2", "--bind-to", "none", PY, "-m", "mpi4py", "-m", "hvctr", "train",
+               f"--data.train_dir={data}", f"--train.run_dir={run_dir}", "--metrics.log_every_steps=1000",
+               "--storage.rows_per_rank=4000000", "--storage.max_working_set_rows=2000000", *flags]
+        _run(cmd, work / f"{name}.log")
+        for big in ("shards", "checkpoints"):  # about 2 GB a run: keep the summary and the logs
+            shutil.rmtree(run_dir / big, ignore_errors=True)
     s = json.loads((run_dir / "summary.json").read_text())
-    # ~0.9 GB of shard per rank and a checkpoint base per run: 19 runs would fill the shared disk
-    subprocess.run(["rm", "-rf", str(run_dir / "shards"), str(run_dir / "checkpoints")], check=True)
-    return {"system": name, "samples_per_s": s["samples_per_s"], "auc": s["eval"]["auc"],
+    return {"system": name.split(".")[0], "samples_per_s": s["samples_per_s"], "auc": s["eval"]["auc"],
             "logloss": s["eval"]["logloss"], "copc": s["eval"]["copc"], "time_split_s": s["time_split_s"],
             "dense_bytes_per_sample": s["dense_bytes_per_sample"], "sparse_bytes_per_sample": s["sparse_bytes_per_sample"],
             "cache_hit_rate": s["store"]["cache_hit_rate"], "shard_rows_rank0": s["store"]["shard_rows"],
             "flags": flags}
 
 
-def reference_run(work: Path, data: Path, which: str) -> dict[str, Any]:
-    out = work / f"{which}.jsonl"
-    _run([PY, "-m", "hvctr.baseline", "--data", str(data), "--runs", which, "--out", str(out)], work / f"{which}.log")
+def reference_run(work: Path, data: Path, which: str, tag: str) -> dict[str, Any]:
+    out = work / f"{which}.{tag}.jsonl"
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        _run([PY, "-m", "hvctr.baseline", "--data", str(data), "--runs", which, "--out", str(tmp)],
+             work / f"{which}.{tag}.log")
+        tmp.replace(out)
     r = json.loads(out.read_text().splitlines()[-1])
     return {"system": "pytorch_plain" if which == "plain" else "mlp_ceiling",
             "samples_per_s": r["samples_per_s"], "auc": r.get("valid_auc"), "logloss": r.get("valid_logloss")}
@@ -87,9 +94,10 @@ def measure(work: Path, rows: int, repeats: int) -> dict[str, Any]:
     rounds: list[list[dict[str, Any]]] = []
     for i in range(repeats):
         print(f"round {i + 1}/{repeats}", flush=True)
-        rounds.append([hvctr_run(work, data, "hvctr_sync", ["--merge.mode=sync"]),
-                       hvctr_run(work, data, "hvctr_k8", ["--merge.every_k_steps=8"]),
-                       reference_run(work, data, "plain"), reference_run(work, data, "ceiling")])
+        tag = f"r{i + 1}"
+        rounds.append([hvctr_run(work, data, f"hvctr_sync.{tag}", ["--merge.mode=sync"]),
+                       hvctr_run(work, data, f"hvctr_k8.{tag}", ["--merge.every_k_steps=8"]),
+                       reference_run(work, data, "plain", tag), reference_run(work, data, "ceiling", tag)])
     k8 = rounds[-1][1]
     table_bytes = 2 * k8["shard_rows_rank0"] * ROW_BYTES
     sweep = [hvctr_run(work, data, f"hvctr_k{k}", [f"--merge.every_k_steps={k}"]) for k in (1, 4, 16)]
