@@ -4,6 +4,7 @@
     hvctr bench --quick        # smaller data, fewer repeats: under 5 minutes
     hvctr bench --calibrate    # only this machine's rates for hvctr plan (bench/rates.toml)
     hvctr bench --only training,planner --dry-run
+    hvctr bench --plots-only --work-dir DIR   # the plots again, from an earlier run's results
 
 Each part is one benchmark module run as its own process (its threads, its MPI jobs), in
 this order; each replaces its own "## " section of BENCHMARKS.md:
@@ -81,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default=str(REPO / "bench" / "rates.toml"), help="the rates file calibration writes")
     p.add_argument("--work-dir", help="scratch directory (default: a fresh temporary one, kept: logs and results)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--plots-only", action="store_true",
+                   help="run no benchmark: draw the plots from the results in --work-dir (training/results.json, "
+                        "planner/check.json) and rewrite the Plots section")
 
 
 def selected(only: str, skip: str) -> list[str]:
@@ -169,13 +173,15 @@ def make_plots(work: Path, plots: Path, quick: bool) -> list[str]:
     return made
 
 
-def plots_section(made: list[str], plots: Path, md: Path, times: dict[str, tuple[bool, float]], argv: list[str]) -> str:
+def plots_section(made: list[str], plots: Path, md: Path, times: dict[str, tuple[bool, float]], argv: list[str],
+                  source: str = "") -> str:
     rel = os.path.relpath(plots, md.parent)
     what = {"k_sweep.png": "samples/s and AUC against k (training)",
             "cache_hit.png": "CPU cache hit rate against cache size: LRU, LFU with aging, the planner's ideal cache",
             "time_split.png": "where a step's time goes: the training runs, and the planner against its check runs"}
     cmd = f"hvctr bench {' '.join(argv)}".rstrip()
     lines = [PLOTS_SECTION, "", f"Command: `{cmd}`  ", f"Machine: {machine_line()}", ""]
+    lines += [source, ""] if source else []
     lines += [f"- {what[m]}: ![{m}]({rel}/{m})" for m in made]
     lines += ["", "Wall time of each part: " + ", ".join(
         f"{n} {s / 60:.1f} min" + ("" if ok else " (FAILED)") for n, (ok, s) in times.items())
@@ -207,7 +213,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         rf = calibrate(args.rates, default_ranks(), args.quick)
         print(f"wrote {args.rates}: {rf.source}")
         return 0
-    names = selected(args.only, args.skip)
+    names = [] if args.plots_only else selected(args.only, args.skip)
+    if args.plots_only and not args.work_dir:
+        raise ValueError("--plots-only needs --work-dir: the directory of an earlier run's results")
     md = Path(args.benchmarks).resolve()
     work = Path(args.work_dir or ("WORK_DIR" if args.dry_run else tempfile.mkdtemp(prefix="hvctr-bench-"))).resolve()
     cmds = {n: command(PARTS[n], args.quick, str(md), str(work), str(Path(args.rates).resolve())) for n in names}
@@ -223,8 +231,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     made = make_plots(work, Path(args.plots_dir), args.quick)
     times["plots"] = (True, time.time() - t0)
     argv = (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else []) + (
-        [f"--skip {args.skip}"] if args.skip else [])
-    write_section(md, PLOTS_SECTION, plots_section(made, Path(args.plots_dir), md, times, argv))
+        [f"--skip {args.skip}"] if args.skip else []) + ([f"--plots-only --work-dir {work}"] if args.plots_only else [])
+    source = ("Drawn from the results of earlier runs (the Training and Planner sections' runs); the cache "
+              "hit rates are measured here." if args.plots_only else "")
+    write_section(md, PLOTS_SECTION, plots_section(made, Path(args.plots_dir), md, times, argv, source))
     order_sections(md)
     print(f"[bench] BENCHMARKS.md and {len(made)} plots written; work directory {work}")
     return 0 if all(ok for ok, _ in times.values()) else 1

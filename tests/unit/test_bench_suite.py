@@ -65,3 +65,8 @@ def test_plots_are_written(tmp_path):
 @pytest.mark.parametrize("argv", [["bench", "--quick", "--calibrate", "--dry-run"], ["bench", "--dry-run"]])
 def test_arguments_parse(argv, capsys):
     assert main(argv) == 0
+
+
+def test_plots_only_needs_the_results_directory(capsys):
+    assert main(["bench", "--plots-only"]) == 2
+    assert "--plots-only needs --work-dir" in capsys.readouterr().err
