@@ -94,7 +94,9 @@ class StorageConfig:
 class MergeConfig:
     mode: MergeMode = MergeMode.KSTEP
     every_k_steps: int = 4  # k: local steps between merges (the window length)
-    states: MergeStates = MergeStates.PARAMS_M_V  # dense Adam states averaged with the parameters
+    # dense Adam states averaged with the parameters; params: same AUC as params+m+v in the k sweep
+    # (BENCHMARKS.md, Training), a third of the bytes, better calibration; PaddleBox merges params too
+    states: MergeStates = MergeStates.PARAMS
     compression: Compression = Compression.NONE  # fp16 on the wire; never applied to Adam's v
 
 
