@@ -109,13 +109,15 @@ def plot_time_split(train: dict[str, Any] | None, check: dict[str, Any] | None, 
         labels, parts = [], []
         for r in rows:
             m, p = r["measured"], r["predicted"]
-            steps = m["steps"]
+            # the whole run's phases, scaled to the step time the check compares (its fastest window)
+            whole = sum(m["time_split_s"].values())
+            scale = m["step_s"] / whole if m.get("step_s") and whole else 1.0 / m["steps"]
             labels += [f"{r['mode']} meas.", f"{r['mode']} plan"]
-            parts += [{k: 1e3 * v / steps for k, v in m["time_split_s"].items()},
+            parts += [{k: 1e3 * v * scale for k, v in m["time_split_s"].items()},
                       {("prefetch" if k == "prep" else k): 1e3 * v for k, v in p.get("split_s", {}).items()}]
         _stack(axes[0][i], labels, parts, ("compute", "pull", "merge", "io", "prefetch"), "ms per step")
-        axes[0][i].set_title(f"planner vs measured, {rows[0]['ranks']} rank(s): measured = the run's phases "
-                             "per step;\nplan = a steady step, prefetch where it is not hidden", fontsize=9)
+        axes[0][i].set_title(f"planner vs measured, {rows[0]['ranks']} rank(s): measured = the checked step time,\n"
+                             "split as the run's phases; plan = a steady step, prefetch where not hidden", fontsize=9)
         axes[0][i].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

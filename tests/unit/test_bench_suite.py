@@ -51,7 +51,8 @@ def test_plots_are_written(tmp_path):
         {"system": "pytorch_plain", "samples_per_s": 55.0, "auc": 0.77},
         {"system": "mlp_ceiling", "samples_per_s": 90.0, "auc": None}]],
         "sweep": [_run(f"hvctr_k{k}", 50.0 + k, 0.77 - k / 1000, [f"--merge.every_k_steps={k}"]) for k in (1, 4, 16)]}
-    check = {"results": [{"ranks": 2, "mode": m, "measured": {"steps": 10, "time_split_s": {"compute": 1.0, "pull": 0.2}},
+    check = {"results": [{"ranks": 2, "mode": m, "measured": {"steps": 10, "step_s": 0.1,
+                                                                    "time_split_s": {"compute": 1.0, "pull": 0.2}},
                           "predicted": {"split_s": {"compute": 0.1, "pull": 0.02, "merge": 0.01, "prep": 0.0}}}
                          for m in ("sync", "8")]}
     bench_plots.plot_k_sweep(train, tmp_path / "k.png")
