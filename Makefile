@@ -37,7 +37,7 @@ test-e2e:
 
 # The main job on built-in synthetic data: generate, preprocess, train 2 ranks (k = 4), evaluate.
 demo: setup
-	@rm -rf $(DEMO_DIR)/run && mkdir -p $(DEMO_DIR)/raw
+	@rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)/raw
 	$(PY) -m data_prep synth --rows 600000 --seed 7 --out $(DEMO_DIR)/raw/synth.tsv --truth-out $(DEMO_DIR)/raw/truth.txt
 	$(PY) -m data_prep criteo --input $(DEMO_DIR)/raw/synth.tsv --out $(DEMO_DIR)/data --shards 4 --valid-fraction 0.1
 	$(MPIRUN) -np 2 $(PY) -m mpi4py -m hvctr train --config slurm/configs/demo.toml \
