@@ -168,7 +168,9 @@ def check(work: Path, rows: int, ranks: list[int], modes: list[str], rates_path:
     write_rates(every, work / "rates.toml")
     source = given.source if given else ("measured with the run's number of ranks (at most the cpus) right before "
                                          "and right after each run; each per-item time is the mean of the two")
+    states = load_config(None, []).merge.states.value
     return {"rows": rows, "rates": rates_path or str(work / "rates.toml"), "results": out, "curve": curve.source,
+            "states": states,
             "rates_source": source}
 
 
@@ -180,7 +182,8 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
     lines = [SECTION, "", f"Command: `{command}`  ", f"Machine: {machine}  ",
              f"Data: {res['rows']:,} synthetic rows (data_prep synth, 8 shards, 9.09% held out); keys: {res['curve']}. "
              "Model: DNN 26 x 16 dims, MLP 512-256-1, batch 4096 per rank, one epoch, one torch thread per rank, "
-             "cache holding the whole table. Rates: " + res["rates_source"] + ".",
+             f"cache holding the whole table, merge.states = {res.get('states', 'the default')}. Rates: "
+             + res["rates_source"] + ".",
              "", "Bytes are per step, rank 0's counters (sparse: pull + warm + push; dense: the merge's payload) "
              "against the plan summed over the run's windows. Step time: the fastest of the run's windows after "
              "the first (each window's time per step, from the progress record written after it; the median "
