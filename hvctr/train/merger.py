@@ -25,8 +25,10 @@ NUM_FLAGS = 2  # [stop requested, checkpoint requested]
 
 
 class _DenseReducer:
-    def __init__(self, comm, hierarchical: bool) -> None:
+    def __init__(self, comm, cfg: MergeConfig, params: Sequence[torch.Tensor], hierarchical: bool = False) -> None:
         self.comm = comm
+        self.cfg = cfg
+        self.params = list(params)
         self.hierarchical = hierarchical
         self.bytes_sent = 0  # payload bytes this rank contributed to dense reductions
         self.calls = 0
@@ -46,9 +48,7 @@ class KStepMerger(_DenseReducer):
 
     def __init__(self, comm, cfg: MergeConfig, params: Sequence[torch.Tensor],
                  hierarchical: bool = False) -> None:
-        super().__init__(comm, hierarchical)
-        self.cfg = cfg
-        self.params = list(params)
+        super().__init__(comm, cfg, params, hierarchical)
         self.merge_m = cfg.states is MergeStates.PARAMS_M_V
         self.merge_v = cfg.states in (MergeStates.PARAMS_V, MergeStates.PARAMS_M_V)
 
@@ -71,12 +71,6 @@ class KStepMerger(_DenseReducer):
 
 class SyncGradients(_DenseReducer):
     """The synchronous baseline: dense gradients averaged over ranks before every Adam step."""
-
-    def __init__(self, comm, cfg: MergeConfig, params: Sequence[torch.Tensor],
-                 hierarchical: bool = False) -> None:
-        super().__init__(comm, hierarchical)
-        self.cfg = cfg
-        self.params = list(params)
 
     def average(self, flags: Sequence[int], name: str) -> list[int]:
         wire_dtype = torch.float16 if self.cfg.compression is Compression.FP16 else torch.float32
