@@ -13,8 +13,38 @@ import torch
 from torch import Tensor, nn
 
 
+def linear_over_blocks(layer: nn.Linear, blocks: Sequence[Tensor]) -> Tensor:
+    """``layer(torch.cat(blocks, dim=1))`` without the concatenation: the same function.
+
+    Each block meets its own column slice of the weight (a strided view, no copy) in one
+    accumulating GEMM. On the CPU this is faster than the concatenated form in two ways: the
+    backward computes no input gradient for a block that needs none (the dense features), and
+    no GEMM has the concatenation's odd width as its output (26 x 16 + 13 = 429 columns: MKL's
+    input-gradient GEMM into 429 columns runs at about 2/3 of its speed into 416; together
+    about 10% of a DNN step, ``python -m hvctr.optim.bench``).
+    """
+    widths = [int(x.shape[1]) for x in blocks]
+    if sum(widths) != layer.in_features:
+        raise ValueError(f"blocks of widths {widths} (sum {sum(widths)}) for a Linear of {layer.in_features} inputs")
+    w, start = layer.weight, 0
+    out: Tensor | None = None
+    for x, n in zip(blocks, widths):
+        part = w[:, start:start + n].t()
+        if out is None:
+            out = x @ part if layer.bias is None else torch.addmm(layer.bias, x, part)
+        else:
+            out = torch.addmm(out, x, part)
+        start += n
+    assert out is not None
+    return out
+
+
 class MLP(nn.Sequential):
-    """Linear + ReLU per hidden layer, then a Linear to one output (the logit)."""
+    """Linear + ReLU per hidden layer, then a Linear to one output (the logit).
+
+    ``forward_blocks(blocks)`` is ``forward(torch.cat(blocks, 1))`` computed without the
+    concatenation (see linear_over_blocks).
+    """
 
     def __init__(self, in_features: int, hidden: Sequence[int]) -> None:
         layers: list[nn.Module] = []
@@ -23,6 +53,12 @@ class MLP(nn.Sequential):
             in_features = width
         layers.append(nn.Linear(in_features, 1))
         super().__init__(*layers)
+
+    def forward_blocks(self, blocks: Sequence[Tensor]) -> Tensor:
+        x = linear_over_blocks(self[0], blocks)
+        for layer in list(self)[1:]:
+            x = layer(x)
+        return x
 
 
 def fm_interaction(emb: Tensor) -> Tensor:
@@ -44,10 +80,11 @@ class _CTRModel(nn.Module):
         self.num_fields, self.dim, self.num_dense = num_fields, dim, num_dense
         self.deep_in = num_fields * dim + num_dense
 
-    def _deep_input(self, dense: Tensor, emb: Tensor) -> Tensor:
+    def _deep(self, dense: Tensor, emb: Tensor) -> Tensor:
+        """The MLP over [emb flattened | dense], one logit per sample: [B]."""
         assert emb.shape[1:] == (self.num_fields, self.dim), \
             f"emb {tuple(emb.shape)} vs F={self.num_fields}, D={self.dim}"
-        return torch.cat([emb.flatten(1), dense], dim=1)
+        return self.mlp.forward_blocks([emb.flatten(1), dense]).squeeze(1)
 
 
 class DNN(_CTRModel):
@@ -58,7 +95,7 @@ class DNN(_CTRModel):
         self.mlp = MLP(self.deep_in, hidden)
 
     def forward(self, dense: Tensor, emb: Tensor, w1: Tensor) -> Tensor:
-        return self.mlp(self._deep_input(dense, emb)).squeeze(1)
+        return self._deep(dense, emb)
 
 
 class DeepFM(_CTRModel):
@@ -71,8 +108,7 @@ class DeepFM(_CTRModel):
 
     def forward(self, dense: Tensor, emb: Tensor, w1: Tensor) -> Tensor:
         first = w1.sum(dim=1) + self.dense_linear(dense).squeeze(1)
-        deep = self.mlp(self._deep_input(dense, emb)).squeeze(1)
-        return first + fm_interaction(emb) + deep
+        return first + fm_interaction(emb) + self._deep(dense, emb)
 
 
 class WideDeep(_CTRModel):
@@ -85,4 +121,4 @@ class WideDeep(_CTRModel):
 
     def forward(self, dense: Tensor, emb: Tensor, w1: Tensor) -> Tensor:
         wide = w1.sum(dim=1) + self.wide_dense(dense).squeeze(1)
-        return wide + self.mlp(self._deep_input(dense, emb)).squeeze(1)
+        return wide + self._deep(dense, emb)

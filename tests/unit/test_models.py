@@ -92,3 +92,24 @@ def test_model_code_imports_nothing_from_storage_dist_mpi_or_hdf5():
                 continue
             for name in names:
                 assert not name.startswith(banned), f"{f.name} imports {name}"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_mlp_over_blocks_is_the_mlp_over_their_concatenation(bias):
+    mlp = hvctr.models.MLP(Fn * D + 13, (16, 8))
+    if not bias:
+        mlp[0].bias = None
+    dense, emb, _ = _inputs(4)
+    a_emb, b_emb = emb.flatten(1).clone().requires_grad_(), emb.flatten(1).clone().requires_grad_()
+    cat = mlp(torch.cat([a_emb, dense], 1))
+    cat.sum().backward()
+    want = [p.grad.clone() for p in mlp.parameters()]
+    mlp.zero_grad()
+    blocks = mlp.forward_blocks([b_emb, dense])
+    blocks.sum().backward()
+    torch.testing.assert_close(blocks, cat)
+    torch.testing.assert_close(b_emb.grad, a_emb.grad)
+    for got, exp in zip((p.grad for p in mlp.parameters()), want):
+        torch.testing.assert_close(got, exp)
+    with pytest.raises(ValueError, match="widths"):
+        mlp.forward_blocks([b_emb, dense[:, :5]])
