@@ -10,7 +10,8 @@ import pytest
 
 from hvctr.keys import EMPTY_KEY, default_bucket_owner, mix64
 from hvctr.storage.row import RowLayout
-from hvctr.storage.shard import BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullError, pwrite_runs
+from hvctr.storage import shard as shard_mod
+from hvctr.storage.shard import BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullError, file_system_type, pwrite_runs
 from tests.conftest import VENV_PY, REPO
 
 
@@ -40,6 +41,29 @@ def test_insert_lookup_write_read_round_trip(tmp_path):
     np.testing.assert_array_equal(meta["key"][pos], keys)
     shard.close()
     assert not os.path.exists(str(path) + ".tmp")
+
+
+@pytest.mark.parametrize("copy_on_write", [False, True])
+def test_index_entries_reach_the_file_by_map_or_by_pwrite(tmp_path, monkeypatch, copy_on_write):
+    """In-place file systems take index entries through the map; copy-on-write ones by pwrite.
+    Either way a fresh reader of the file (h5py alone) sees every entry."""
+    fs = file_system_type(str(tmp_path))
+    assert fs, "/proc/self/mounts names the file system of the test directory"
+    if copy_on_write:
+        monkeypatch.setattr(shard_mod, "_COPY_ON_WRITE_FS", frozenset({fs}))
+    path = tmp_path / "s.h5"
+    shard = _create(path, capacity=3000)
+    assert shard.index_by_map is (not copy_on_write)
+    keys = _keys(2500, seed=3)
+    pos = np.concatenate([shard.insert(part) for part in np.array_split(keys, 5)])
+    shard.close()
+    with h5py.File(path, "r") as f:
+        index = f["index"][...]
+    used = index[index["key"] != EMPTY_KEY]
+    order = np.argsort(used["key"])
+    np.testing.assert_array_equal(used["key"][order], keys)  # keys from np.unique: sorted
+    np.testing.assert_array_equal(used["row"][order], pos)
+    assert Shard.open(path, writable=False).lookup(keys).tolist() == pos.tolist()
 
 
 def test_probing_crosses_index_blocks_at_high_load(tmp_path):
