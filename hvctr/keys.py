@@ -9,11 +9,17 @@ A feature key is a uint64 (PaddleBox's "feasign"); all fields share one key spac
   (see hvctr.storage): with the owner's bits reused, a rank would only use a fraction of its slots.
 
 EMPTY_KEY marks an empty slot in a shard's index; data_prep remaps a real key equal to it.
+
+``unique_in_order(keys)``: distinct keys in order of first occurrence, with the inverse, in one
+pass over a hash table (a C kernel, hvctr.native; numpy's sort where no compiler is
+found): windows, exchanges and stores deduplicate keys with it, not with a sort.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from hvctr import native
 
 NUM_BUCKETS = 4096
 BUCKET_SHIFT = np.uint64(64 - 12)
@@ -55,3 +61,30 @@ def remap_empty(keys: np.ndarray) -> np.ndarray:
     """Replaces the reserved EMPTY_KEY by EMPTY_KEY_REMAP, in place; returns keys."""
     keys[keys == EMPTY_KEY] = EMPTY_KEY_REMAP
     return keys
+
+
+def hash_table_bits(n: int) -> int:
+    """log2 of the slots of an open-addressing table for ``n`` keys (at least 2n slots)."""
+    return max(4, int(2 * n - 1).bit_length())
+
+
+def unique_in_order(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(uniq, first, inverse) of a 1-D uint64 array: the distinct keys in order of first
+    occurrence, the index of each one's first occurrence (increasing), and for each key its
+    index in uniq (int64). ``uniq[inverse]`` is ``keys``."""
+    flat = np.ascontiguousarray(keys.reshape(-1), dtype=np.uint64)
+    lib = native.lib()
+    if lib is not None and 0 < flat.size < (1 << 30):
+        bits = hash_table_bits(flat.size)
+        table = np.full(1 << bits, -1, dtype=np.int32)
+        uniq = np.empty(flat.size, dtype=np.uint64)
+        first = np.empty(flat.size, dtype=np.int64)
+        inverse = np.empty(flat.size, dtype=np.int64)
+        k = lib.hv_unique_u64(flat.ctypes.data, flat.size, table.ctypes.data, bits,
+                              uniq.ctypes.data, first.ctypes.data, inverse.ctypes.data)
+        return uniq[:k], first[:k], inverse
+    uniq, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return uniq[order], first[order], rank[inverse.reshape(-1)]

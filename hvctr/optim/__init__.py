@@ -6,8 +6,8 @@
   powers per row). Also the batch's gather of rows and the sum of its gradients per row.
 - ``dense``: the dense parameters use ``torch.optim.Adam`` (one global step); helpers read and
   write its moments in a fixed parameter order, for the k-step merger.
-- ``_native``: the hot loops in C, compiled once on first use and loaded with ctypes; the
-  torch code is the reference and the fallback where no compiler is found.
+- the hot loops run as C kernels (``hvctr.native``, compiled once on first use, loaded with
+  ctypes); the torch code is the reference and the fallback where no compiler is found.
 """
 
 from hvctr.optim.dense import adam_state_names, get_adam_states, set_adam_states, adam_step_count

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hvctr.models import DNN
-from hvctr.optim import _native
+from hvctr import native as _native
 from hvctr.optim.sparse_adam import batch_unique, gather_rows, row_width, sparse_adam_step, sum_rows_grad
 
 # Distinct values per categorical field of Criteo Kaggle (C1..C26).

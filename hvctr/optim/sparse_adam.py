@@ -12,7 +12,7 @@ sparse side, with ``pos [B, F]`` the batch's positions in the working set ``rows
 
 Lazy: a row's m and v decay only on the steps that touch it, and its bias correction uses its
 own step count, so a row first touched at global step 1000 takes a full-size first step. On
-the CPU the three loops run as C kernels (hvctr.optim._native); elsewhere, or without a C
+the CPU the three loops run as C kernels (hvctr.native); elsewhere, or without a C
 compiler, as torch ops. The torch form is the reference the kernels are tested against.
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hvctr.optim import _native
+from hvctr import native as _native
 
 
 def row_width(dim: int) -> int:

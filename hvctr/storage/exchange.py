@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 import torch
 
-from hvctr.keys import owner_of
+from hvctr.keys import hash_table_bits, owner_of, unique_in_order
+from hvctr import native as _native
 from hvctr.storage.store import EmbeddingStore, _unique_keys
 
 if TYPE_CHECKING:
@@ -38,10 +39,19 @@ ApplyFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _KEY_COLS = 2  # a uint64 key travels as two float32 columns (bits only, no arithmetic)
 
 
-def _pack(keys: np.ndarray, values: np.ndarray) -> torch.Tensor:
-    """One float32 message per key: its 8 key bytes, then its values (one alltoall, not two)."""
-    kv = keys.view(np.float32).reshape(keys.shape[0], _KEY_COLS)
-    return torch.from_numpy(np.concatenate((kv, values.astype(np.float32, copy=False)), axis=1))
+def _pack(keys: np.ndarray, values: np.ndarray, order: np.ndarray) -> torch.Tensor:
+    """One float32 message row per key, ``[key (8 bytes) | values]``, rows in ``order`` (one
+    alltoall, not two)."""
+    n, c = order.shape[0], values.shape[1]
+    msg = np.empty((n, _KEY_COLS + c), dtype=np.float32)
+    lib = _native.lib()
+    if lib is not None and values.dtype == np.float32 and values.flags.c_contiguous:
+        keys, order = np.ascontiguousarray(keys, np.uint64), np.ascontiguousarray(order, np.int64)
+        lib.hv_pack_rows(keys.ctypes.data, order.ctypes.data, n, values.ctypes.data, c, c, msg.ctypes.data)
+    else:
+        msg[:, :_KEY_COLS] = keys[order].view(np.float32).reshape(n, _KEY_COLS)
+        msg[:, _KEY_COLS:] = values[order]
+    return torch.from_numpy(msg)
 
 
 def _unpack(msg: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +65,8 @@ def merge_by_key(keys: np.ndarray, values: np.ndarray, splits: np.ndarray) -> tu
 
     ``keys``/``values`` are the concatenation of what each source rank sent, in rank order,
     ``splits[s]`` rows from rank s; a rank sends a key at most once. The first copy of a key
-    is assigned, later ones added, so a single copy passes through bit for bit.
+    is assigned, later ones added, so a single copy passes through bit for bit. The numpy
+    reference of merge_messages (keys sorted here, in order of first occurrence there).
     """
     uniq, inv = np.unique(keys, return_inverse=True)
     acc = np.empty((uniq.shape[0], values.shape[1]), dtype=np.float32)
@@ -68,6 +79,26 @@ def merge_by_key(keys: np.ndarray, values: np.ndarray, splits: np.ndarray) -> tu
         acc[i[~first]] += x[~first]
         count[i] += 1
     return uniq, acc, count
+
+
+def merge_messages(msg: torch.Tensor, splits: list[int], divide: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """merge_by_key over received messages (``[key | values]`` rows, ``splits[s]`` from rank
+    s): (keys in order of first occurrence, sums, counts); ``divide``: sums divided by the
+    counts (the average over the ranks that sent each key). One pass in C, else numpy."""
+    a = msg.numpy()
+    n, c = a.shape[0], a.shape[1] - _KEY_COLS
+    lib = _native.lib()
+    if lib is None or n == 0 or n >= (1 << 30) or not a.flags.c_contiguous:
+        uniq, acc, count = merge_by_key(*_unpack(msg), np.asarray(splits))
+        return uniq, (acc / count.astype(np.float32)[:, None] if divide else acc), count
+    bits = hash_table_bits(n)
+    table = np.full(1 << bits, -1, dtype=np.int32)
+    uniq = np.empty(n, dtype=np.uint64)
+    acc = np.empty((n, c), dtype=np.float32)
+    count = np.empty(n, dtype=np.int64)
+    k = lib.hv_merge_messages(a.ctypes.data, n, c + _KEY_COLS, c, table.ctypes.data, bits, int(divide),
+                              uniq.ctypes.data, acc.ctypes.data, count.ctypes.data)
+    return uniq[:k], acc[:k], count[:k]
 
 
 class ShardedTable:
@@ -152,7 +183,7 @@ class ShardedTable:
         with self._call(op) as rec:
             keys, order, splits = self._route(unique_keys)
             asked, received = self._send_keys(rec, keys[order], splits, f"{name}.keys")
-            uniq, inv = np.unique(asked, return_inverse=True)
+            uniq, _, inv = unique_in_order(asked)
             rows = read(uniq)[inv]
             back, _ = self._alltoall(rec, torch.from_numpy(rows), received, f"{name}.rows")
             out = torch.empty((keys.shape[0], self.width), dtype=torch.float32)
@@ -164,10 +195,9 @@ class ShardedTable:
         with self._call("push") as rec:
             keys, order, splits = self._route(unique_keys)
             values = _host(rows, (keys.shape[0], self.width))
-            got, received = self._alltoall(rec, _pack(keys[order], values[order]), splits, f"{name}.rows")
-            rkeys, rvalues = _unpack(got)
-            uniq, acc, count = merge_by_key(rkeys, rvalues, np.asarray(received))
-            self.store.write(uniq, acc / count.astype(np.float32)[:, None])
+            got, received = self._alltoall(rec, _pack(keys, values, order), splits, f"{name}.rows")
+            uniq, mean, _ = merge_messages(got, received, divide=True)
+            self.store.write(uniq, mean)
 
     def push_gradients(self, unique_keys: np.ndarray, grads: torch.Tensor | np.ndarray,
                        apply_fn: ApplyFn, name: str) -> None:
@@ -180,9 +210,8 @@ class ShardedTable:
         with self._call("push_gradients") as rec:
             keys, order, splits = self._route(unique_keys)
             g = _host(grads, (keys.shape[0], -1))
-            got, received = self._alltoall(rec, _pack(keys[order], g[order]), splits, f"{name}.grads")
-            rkeys, rgrads = _unpack(got)
-            uniq, acc, _ = merge_by_key(rkeys, rgrads, np.asarray(received))
+            got, received = self._alltoall(rec, _pack(keys, g, order), splits, f"{name}.grads")
+            uniq, acc, _ = merge_messages(got, received, divide=False)
             acc /= np.float32(self.comm.size)
             rows = self.store.read(uniq, count=False)
             new = apply_fn(torch.from_numpy(rows), torch.from_numpy(acc))
@@ -193,7 +222,7 @@ class ShardedTable:
         with self._call("warm") as rec:
             keys, order, splits = self._route(unique_keys)
             asked, _ = self._send_keys(rec, keys[order], splits, f"{name}.keys")
-            self.store.warm(np.unique(asked))
+            self.store.warm(unique_in_order(asked)[0])
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from hvctr.config import StorageConfig
-from hvctr.keys import default_bucket_owner, mix64, owner_of
+from hvctr.keys import default_bucket_owner, mix64, owner_of, unique_in_order
 from hvctr.storage.cache import RowCache
 from hvctr.storage.row import RowLayout, default_row, init_rows
 from hvctr.storage.shard import Shard
@@ -53,9 +53,10 @@ def _strictly_increasing(a: np.ndarray) -> bool:
 
 def _unique_keys(keys: np.ndarray) -> np.ndarray:
     keys = as_keys(keys)
-    # Sorted input (np.unique's, or torch.unique's int64 order) proves uniqueness in O(n).
+    # Sorted input (np.unique's, or torch.unique's int64 order) proves uniqueness in O(n);
+    # other orders (the exchange's, first occurrence) take one hash pass.
     if keys.size > 1 and not (_strictly_increasing(keys) or _strictly_increasing(keys.view(np.int64))):
-        if np.unique(keys).size != keys.size:
+        if unique_in_order(keys)[0].size != keys.size:
             raise ValueError("EmbeddingStore methods take unique keys; deduplicate first (np.unique)")
     return keys
 

@@ -4,8 +4,8 @@ The window's unique keys are the working set: pulled from their owners before th
 first step, pushed back at its end. Every batch key is remapped to its position in that set,
 so the k steps gather rows with one index operation and never look at a key again.
 
-One pass over the candidate batches' keys (a hash table in C, ``hvctr.optim._native``; numpy's
-sort where no compiler is found) gives the distinct keys in order of first occurrence. That
+One pass over the candidate batches' keys (hvctr.keys.unique_in_order: a hash table in C,
+numpy's sort where no compiler is found) gives the distinct keys in order of first occurrence. That
 order answers both questions the prefetch thread asks: how many leading batches fit the
 working-set bound (the distinct keys of a prefix are a prefix of that list), and, once ranks
 agree on the length, the window itself, without sorting every key again.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvctr.optim import _native
+from hvctr.keys import unique_in_order
 
 
 @dataclass
@@ -50,23 +50,9 @@ class KeyIndex:
 
 def index_keys(keys: np.ndarray) -> KeyIndex:
     """keys: uint64 [n, B, F] -> their KeyIndex."""
-    flat = np.ascontiguousarray(keys.reshape(-1), dtype=np.uint64)
     per_batch = int(np.prod(keys.shape[1:])) if keys.ndim > 1 else 1
-    lib = _native.lib()
-    if lib is not None and 0 < flat.size < (1 << 30):
-        bits = max(4, int(2 * flat.size - 1).bit_length())
-        table = np.full(1 << bits, -1, dtype=np.int32)
-        uniq = np.empty(flat.size, dtype=np.uint64)
-        first = np.empty(flat.size, dtype=np.int64)
-        inverse = np.empty(flat.size, dtype=np.int64)
-        k = lib.hv_unique_u64(flat.ctypes.data, flat.size, table.ctypes.data, bits,
-                              uniq.ctypes.data, first.ctypes.data, inverse.ctypes.data)
-        return KeyIndex(uniq[:k], first[:k], inverse, per_batch)
-    uniq, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(order.size)
-    return KeyIndex(uniq[order], first[order], rank[inverse.reshape(-1)], per_batch)
+    uniq, first, inverse = unique_in_order(keys)
+    return KeyIndex(uniq, first, inverse, per_batch)
 
 
 def fitting_prefix(index: KeyIndex, batches: int, max_rows: int) -> int:

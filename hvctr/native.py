@@ -1,5 +1,6 @@
 """The sparse path's hot loops in C: lazy Adam on rows in place, the batch's unique positions,
-the gather of its rows and the sum of its gradients per row; and the window's unique keys.
+the gather of its rows and the sum of its gradients per row; the window's unique keys; and the
+exchange's packing of rows into messages and merging of the copies an owner receives.
 
 Why C: in torch, lazy Adam on the ~24k rows a batch of 4096 x 26 touches is a gather of the
 rows, a dozen elementwise ops on strided column views and a scatter back (about 5 ms on one
@@ -36,6 +37,7 @@ _CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-mat
 _SRC = r"""
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* Rows of a large table sit far apart: the hardware prefetcher cannot guess the next one, so
    ask for the row AHEAD iterations early (4x faster on a 400k-row table than without). */
@@ -131,6 +133,57 @@ int64_t hv_unique_u64(const uint64_t *keys, int64_t n, int32_t *table, int64_t b
     return k;
 }
 
+/* One alltoall message row per key: out[i] = [keys[order[i]] (8 bytes) | values[order[i], 0:c]],
+   out is [n, c + 2] float32, values [*, ldv]. */
+void hv_pack_rows(const uint64_t *keys, const int64_t *order, int64_t n, const float *values, int64_t ldv,
+                  int64_t c, float *out)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        float *o = out + i * (c + 2);
+        memcpy(o, keys + order[i], 8);
+        memcpy(o + 2, values + order[i] * ldv, (size_t)c * 4);
+    }
+}
+
+/* Message rows msg[i] = [key (8 bytes) | values (c)], row stride ld floats, concatenated in
+   ascending source rank: distinct keys in order of first occurrence into uniq (their count
+   returned); acc[j] = the sum of key j's values in message order (the first copy assigned,
+   later ones added, so a single copy passes bit for bit); count[j] = its copies. With divide,
+   acc[j] /= count[j] where count[j] > 1 (x / 1 is x). table: 2^bits int32 entries, all -1 on
+   entry, 2^bits >= 2n. */
+int64_t hv_merge_messages(const float *msg, int64_t n, int64_t ld, int64_t c, int32_t *table, int64_t bits,
+                          int32_t divide, uint64_t *uniq, float *acc, int64_t *count)
+{
+    const uint64_t mask = ((uint64_t)1 << bits) - 1;
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const float *row = msg + i * ld;
+        uint64_t key;
+        memcpy(&key, row, 8);  /* rows of an odd width leave keys 4-byte aligned */
+        uint64_t s = ((key ^ (key >> 31)) * 0x9E3779B97F4A7C15ULL) >> (64 - bits);
+        int64_t e;
+        for (;;) {
+            const int32_t t = table[s];
+            if (t < 0) { table[s] = (int32_t)k; uniq[k] = key; count[k] = 0; e = k++; break; }
+            if (uniq[t] == key) { e = t; break; }
+            s = (s + 1) & mask;
+        }
+        float *a = acc + e * c;
+        const float *v = row + 2;
+        if (count[e]++ == 0) { for (int64_t j = 0; j < c; ++j) a[j] = v[j]; }
+        else { for (int64_t j = 0; j < c; ++j) a[j] += v[j]; }
+    }
+    if (divide) {
+        for (int64_t e = 0; e < k; ++e) {
+            if (count[e] < 2) continue;
+            const float d = (float)count[e];
+            float *a = acc + e * c;
+            for (int64_t j = 0; j < c; ++j) a[j] = a[j] / d;
+        }
+    }
+    return k;
+}
+
 /* out[i] = rows[pos[i], 0:c] for i < n. */
 void hv_gather_rows(const float *rows, int64_t width, const int64_t *pos, int64_t n, int64_t c, float *out)
 {
@@ -180,6 +233,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hv_batch_unique.restype = i64
     lib.hv_unique_u64.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr]
     lib.hv_unique_u64.restype = i64
+    lib.hv_pack_rows.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr]
+    lib.hv_pack_rows.restype = None
+    lib.hv_merge_messages.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int32, ptr, ptr, ptr]
+    lib.hv_merge_messages.restype = i64
     for f in (lib.hv_sparse_adam, lib.hv_sum_rows, lib.hv_gather_rows):
         f.restype = None
 

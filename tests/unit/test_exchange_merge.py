@@ -1,0 +1,54 @@
+"""The exchange's message packing and owner-side merge: the C kernels against numpy."""
+
+import numpy as np
+import pytest
+import torch
+
+from hvctr.keys import unique_in_order
+from hvctr import native as _native
+from hvctr.storage.exchange import _pack, _unpack, merge_by_key, merge_messages
+
+
+def _messages(width, seed=0, ranks=3, per_rank=400):
+    """What an owner receives: each rank's unique keys (overlapping across ranks) and rows."""
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(0, 2**64 - 2, size=per_rank * 2, dtype=np.uint64)
+    keys = [rng.choice(pool, size=per_rank, replace=False) for _ in range(ranks)]
+    rows = [rng.standard_normal((per_rank, width)).astype(np.float32) for _ in range(ranks)]
+    msg = np.concatenate([_pack(k, r, np.arange(per_rank)).numpy() for k, r in zip(keys, rows)])
+    return torch.from_numpy(msg), [per_rank] * ranks, np.concatenate(keys), np.concatenate(rows)
+
+
+@pytest.mark.parametrize("width", [52, 49, 1])  # an odd width leaves keys 4-byte aligned in a row
+@pytest.mark.parametrize("divide", [False, True])
+def test_merge_messages_equals_the_numpy_reference_bit_for_bit(width, divide):
+    assert _native.lib() is not None, "the C kernels build on this machine"
+    msg, splits, keys, rows = _messages(width)
+    uniq, acc, count = merge_messages(msg, splits, divide)
+    ref_uniq, ref_acc, ref_count = merge_by_key(keys, rows, np.asarray(splits))
+    if divide:
+        ref_acc = ref_acc / ref_count.astype(np.float32)[:, None]
+    np.testing.assert_array_equal(uniq, unique_in_order(keys)[0])  # first occurrence order
+    order = np.argsort(uniq)
+    np.testing.assert_array_equal(uniq[order], ref_uniq)
+    np.testing.assert_array_equal(count[order], ref_count)
+    assert acc[order].tobytes() == ref_acc.tobytes()
+    assert count.max() == 3 and count.min() == 1  # the case covers shared and single keys
+    with _native.disabled():  # the numpy fallback answers the same
+        f_uniq, f_acc, f_count = merge_messages(msg, splits, divide)
+    assert f_acc.tobytes() == ref_acc.tobytes() and np.array_equal(f_uniq, ref_uniq)
+
+
+def test_pack_puts_each_key_before_its_row_in_the_given_order():
+    rng = np.random.default_rng(1)
+    keys = rng.integers(0, 2**64 - 2, size=50, dtype=np.uint64)
+    values = rng.standard_normal((50, 7)).astype(np.float32)
+    order = rng.permutation(50)
+    k, v = _unpack(_pack(keys, values, order))
+    np.testing.assert_array_equal(k, keys[order])
+    np.testing.assert_array_equal(v, values[order])
+    packed = _pack(keys, values, order).numpy().tobytes()
+    with _native.disabled():
+        assert _pack(keys, values, order).numpy().tobytes() == packed
+    empty = merge_messages(_pack(keys[:0], values[:0], order[:0]), [0, 0], True)
+    assert [a.shape[0] for a in empty] == [0, 0, 0]
