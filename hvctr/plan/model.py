@@ -172,8 +172,8 @@ class _Costs:
     nodes: int
     ranks_per_node: int
 
-    def sort(self, n: float) -> float:
-        return self.cpu * n / self.r.sort_keys_per_s
+    def unique(self, n: float) -> float:
+        return self.cpu * n / self.r.unique_keys_per_s
 
     def copy(self, nbytes: float) -> float:
         return self.cpu * nbytes / self.r.memcpy_bytes_per_s if self.r.memcpy_bytes_per_s else 0.0
@@ -212,13 +212,13 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     u_o = curve(W * k * B) / W
     miss_o = max(u_o - new_o, 0.0) * (1 - hit)  # known keys not in the cache: read from the shard
     shard_read = c.cpu * miss_o / shard_rate
-    warm = (2 * c.sort(u) + c.alltoall(u * f * KEY_BYTES) + c.cpu * u_o / r.cache_rows_per_s + shard_read
+    warm = (2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES) + c.cpu * u_o / r.cache_rows_per_s + shard_read
             if job.prefetch else 0.0)
-    prep = c.cpu * k * B / r.data_rows_per_s + c.sort(2 * k * B * F) + r.allreduce_latency_s + warm
+    prep = c.cpu * k * B / r.data_rows_per_s + c.unique(2 * k * B * F) + r.allreduce_latency_s + warm
     dev = (u * row / r.device_bytes_per_s) if on_device and r.device_bytes_per_s else 0.0
     store = (c.cpu * (max(u_o - new_o, 0.0) / r.cache_rows_per_s + new_o / max(r.new_rows_per_s, 1e-9))
              + (0.0 if job.prefetch else shard_read))
-    pull = (2 * c.sort(u) + c.alltoall(u * f * KEY_BYTES) + store + c.alltoall(u * f * row)
+    pull = (2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES) + store + c.alltoall(u * f * row)
             + c.copy(u * row) + dev)
     P = dense_params(job.model, D)
     flops = dense_flops_per_sample(job.model, D) * B
@@ -231,10 +231,10 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     payload = dense_payload_bytes(P, job.mode, job.states, job.compression)
     if job.mode is MergeMode.SYNC:
         grad_bytes = KEY_BYTES + 4 * (D + 1)
-        merge = (c.allreduce(payload) + 2 * c.sort(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
+        merge = (c.allreduce(payload) + 2 * c.unique(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
                  + c.cpu * u_o * (1 / r.cache_rows_per_s + 1 / r.sparse_rows_per_s + 1 / r.cache_write_rows_per_s))
     else:
-        merge = (c.allreduce(payload) + 2 * c.sort(u) + c.copy(u * (row + KEY_BYTES))
+        merge = (c.allreduce(payload) + 2 * c.unique(u) + c.copy(u * (row + KEY_BYTES))
                  + c.alltoall(u * f * (row + KEY_BYTES)) + c.cpu * u_o / r.cache_write_rows_per_s + dev)
     return {"prep": prep, "pull": pull, "compute": compute, "merge": merge, "shard_read": shard_read}
 

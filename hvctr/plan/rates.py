@@ -32,7 +32,7 @@ DOC = {
     "sparse_keys_per_s": "gather of a batch's rows + per-row gradient sum, batch keys/s",
     "sparse_rows_per_s": "lazy Adam on embedding rows, rows/s",
     "step_overhead_s": "per training step besides the above (loss, Python, allocation)",
-    "sort_keys_per_s": "np.unique with inverse on uint64 keys (windows, routing, merge), keys/s",
+    "unique_keys_per_s": "distinct keys with inverse, one hash pass (hvctr.keys.unique_in_order: windows, routing, merge), keys/s",
     "cache_rows_per_s": "store reads answered by the CPU cache, rows/s",
     "cache_write_rows_per_s": "store writes into the CPU cache, rows/s",
     "new_rows_per_s": "rows created: init from the key, shard index insert, cache insert, rows/s",
@@ -57,7 +57,7 @@ class Rates:
     sparse_keys_per_s: float
     sparse_rows_per_s: float
     step_overhead_s: float
-    sort_keys_per_s: float
+    unique_keys_per_s: float
     cache_rows_per_s: float
     cache_write_rows_per_s: float
     new_rows_per_s: float
@@ -104,7 +104,7 @@ def _check_entry(raw: dict, where: str) -> Rates:
         clean[name] = int(value) if name == "ranks_per_node" else float(value)
     if clean["ranks_per_node"] < 1:
         raise ValueError(f"{where}.ranks_per_node must be >= 1")
-    for name in ("compute_flops_per_s", "sparse_keys_per_s", "sort_keys_per_s", "cache_rows_per_s"):
+    for name in ("compute_flops_per_s", "sparse_keys_per_s", "unique_keys_per_s", "cache_rows_per_s"):
         if clean[name] <= 0:
             raise ValueError(f"{where}.{name} must be > 0")
     return Rates(**clean)

@@ -20,7 +20,9 @@ ranks (exchange.py: ShardedTable) and their benchmark (bench.py). A key belongs 
               flush (checkpoint, end of pass, close): every dirty row written back
               ^                                           |
               | read: np.memmap by file offset,           | write-back: os.pwrite, one call
-              |       rows sorted by position             v   per run of consecutive rows
+              |       rows sorted by position             v   per run of consecutive rows;
+              |                                               new index entries: stores into
+              |                                               a shared map of the index
     Tier 1  SSD shard, one HDF5 file per rank: bucket table, key index (open addressing in
             4 KiB blocks), rows, per-row meta (key, last pass written, checkpoint generation)
 

@@ -20,7 +20,7 @@ from hvctr.storage.shard import Shard
 from hvctr.train.merger import KStepMerger, SyncGradients
 
 RATES = Rates(ranks_per_node=1, compute_flops_per_s=1e10, dense_adam_params_per_s=1e8, sparse_keys_per_s=1e7,
-              sparse_rows_per_s=1e7, step_overhead_s=0.001, sort_keys_per_s=5e6, cache_rows_per_s=1e6,
+              sparse_rows_per_s=1e7, step_overhead_s=0.001, unique_keys_per_s=5e6, cache_rows_per_s=1e6,
               cache_write_rows_per_s=1e6, new_rows_per_s=2e5, shard_rows_per_s=5e5, disk_rows_per_s=2e4,
               data_rows_per_s=1e7, alltoall_latency_s=1e-3, allreduce_latency_s=1e-3, memcpy_bytes_per_s=3e9,
               intra_node_bytes_per_s=1e9)
