@@ -162,7 +162,7 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
         f"`{st}` AUC {r['auc']:.4f}, logloss {r['logloss']:.4f}, COPC {r['copc']:.3f}, dense "
         f"{r['dense_bytes_per_sample']:.1f} B/sample ({r['dense_bytes_per_sample'] / sync['dense_bytes_per_sample']:.3f}x sync)"
         for st, r in by_states.items()) + f". The default is `{DEFAULT_STATES}` (hvctr.config says why)."]
-    lines += ["", f"fp16 compression at k = 8 costs {k8['auc'] - fp16['auc']:+.4f} AUC (k = 8 minus fp16) and sends "
+    lines += ["", f"fp16 compression at k = 8 costs {round(k8['auc'] - fp16['auc'], 4) + 0.0:+.4f} AUC (k = 8 minus fp16) and sends "
               f"{fp16['dense_bytes_per_sample'] / k8['dense_bytes_per_sample']:.2f}x the dense bytes (Adam's v stays float32).",
               f"Out of core: with the CPU cache at 10% of the table ({res['table_bytes'] / 2**20:.0f} MiB in all), k = 8 runs at "
               f"{ooc['samples_per_s'] / k8['samples_per_s']:.2f}x the all-cached throughput (this run against the last "
