@@ -74,7 +74,7 @@ class TopologyConfig:
 @dataclass(frozen=True)
 class StorageConfig:
     dim: int = 16  # embedding dimension D; a row holds 3 * (D + 1) + 1 float32
-    shard_dir: str = ""  # working shards; empty: <run_dir>/shards (or the plan's SSD directory)
+    shard_dir: str = ""  # working shards; empty: the hardware map's SSD for the rank, else <run_dir>/shards
     rows_per_rank: int = 1 << 20  # capacity of each rank's SSD shard, in rows
     max_load_factor: float = 0.8  # the shard is full (an error) past this fraction of its slots
     cpu_cache_bytes: int = 256 << 20  # the CPU cache's budget of anonymous memory, per rank

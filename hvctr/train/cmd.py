@@ -68,7 +68,7 @@ def _start(cfg: Config, run_dir: Path):
     if comm.rank == 0:
         (run_dir / "binding.json").write_text(json.dumps(reports, indent=1))
     device = torch.device(_device(cfg, placement.device))
-    return comm, device
+    return comm, device, placement.ssd_dir
 
 
 def _device(cfg: Config, planned: str) -> str:
@@ -86,13 +86,16 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     stop = StopRequest().install()  # before the seconds of set-up: a preemption signal must not kill us
     cfg = preflight(args.config, overrides, resume=args.resume, init_from=args.init_from)
     run_dir = Path(cfg.train.run_dir)
-    comm, device = _start(cfg, run_dir)
+    comm, device, ssd_dir = _start(cfg, run_dir)
     from hvctr.train.trainer import Trainer
 
     if comm.rank == 0:
         write_toml(cfg, run_dir / "config.toml")
     log.info(f"hvctr train: {comm.size} ranks on {comm.num_nodes} node(s), run dir {run_dir}, device {device}")
-    trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume, init_from=args.init_from, stop=stop)
+    trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume, init_from=args.init_from, stop=stop,
+                      ssd_dir=ssd_dir)
+    log.info(f"working shards: {trainer.shard_dir} (rank 0; storage.shard_dir, else the hardware map's SSD, "
+             f"else the run directory)")
     try:
         summary = trainer.train()
         if not trainer.preempted:
@@ -113,10 +116,10 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if not (run_dir / "config.toml").is_file():
         raise ValueError(f"{run_dir} is not a run directory: {run_dir / 'config.toml'} is missing")
     cfg = preflight(str(run_dir / "config.toml"), overrides, resume=True, eval_only=True, run_dir=run_dir)
-    comm, device = _start(cfg, run_dir)
+    comm, device, ssd_dir = _start(cfg, run_dir)
     from hvctr.train.trainer import Trainer
 
-    trainer = Trainer(cfg, comm, device, run_dir, resume=True)
+    trainer = Trainer(cfg, comm, device, run_dir, resume=True, ssd_dir=ssd_dir)
     try:
         if trainer.state.step == 0:
             raise ValueError(f"{run_dir}: no complete checkpoint to evaluate")

@@ -14,6 +14,7 @@ every Adam step, sparse gradients pushed to the owners, which apply one Adam ste
 from __future__ import annotations
 
 import functools
+import hashlib
 import signal
 import time
 from pathlib import Path
@@ -45,10 +46,24 @@ log = get_logger(__name__)
 STOP, CHECKPOINT = 0, 1  # indices of the control flags carried by the merge
 
 
+def working_shard_dir(cfg: Config, run_dir: Path, ssd_dir: str = "") -> Path:
+    """Where a rank's working shard goes: ``storage.shard_dir`` when set; else the SSD the
+    hardware map gives the rank (placement's ssd_dir, on the rank's NUMA node), in a directory
+    named after the run (its name and a hash of its path: two runs never share one); else
+    ``<run_dir>/shards``."""
+    if cfg.storage.shard_dir:
+        return Path(cfg.storage.shard_dir)
+    if ssd_dir:
+        tag = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
+        return Path(ssd_dir) / "hvctr-shards" / f"{run_dir.name}-{tag}"
+    return run_dir / "shards"
+
+
 class Trainer:
     def __init__(self, cfg: Config, comm, device: torch.device, run_dir: Path, resume: bool,
-                 init_from: str | None = None, stop: StopRequest | None = None) -> None:
+                 init_from: str | None = None, stop: StopRequest | None = None, ssd_dir: str = "") -> None:
         self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
+        self.shard_dir = working_shard_dir(cfg, run_dir, ssd_dir)
         self.dim = cfg.storage.dim
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
         t = cfg.train
@@ -78,7 +93,7 @@ class Trainer:
 
     def _build_table(self, owner: np.ndarray) -> tuple[EmbeddingStore, ShardedTable]:
         # Always a fresh working shard: on resume it is rebuilt from the checkpoint's chain.
-        shard_dir = Path(self.cfg.storage.shard_dir or self.run_dir / "shards")
+        shard_dir = self.shard_dir
         shard_dir.mkdir(parents=True, exist_ok=True)
         # comm: allgather of shard-creation errors (a full disk is one rank's: no rank waits alone)
         store = self.comm.agree(lambda: EmbeddingStore(self.cfg.storage, shard_path(shard_dir, self.comm.rank),
