@@ -13,6 +13,7 @@ every Adam step, sparse gradients pushed to the owners, which apply one Adam ste
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import signal
@@ -64,6 +65,7 @@ class Trainer:
                  init_from: str | None = None, stop: StopRequest | None = None, ssd_dir: str = "") -> None:
         self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
         self.shard_dir = working_shard_dir(cfg, run_dir, ssd_dir)
+        self.shard_on_ssd = not cfg.storage.shard_dir and bool(ssd_dir)  # scratch: removed by close()
         self.dim = cfg.storage.dim
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
         t = cfg.train
@@ -369,3 +371,9 @@ class Trainer:
     def close(self) -> None:
         self.meter.close()
         self.store.close()
+        if self.shard_on_ssd:
+            # Scratch on a node's SSD, rebuilt from the checkpoint by every start: nothing of
+            # value is lost, and the next job on the node gets its disk back.
+            Path(self.store.path).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.shard_dir.rmdir()  # other ranks of the node may still hold theirs

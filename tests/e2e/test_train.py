@@ -56,3 +56,19 @@ def test_resume_after_kill_is_bit_equal(dataset, tmp_path, np_):
     kill_after_checkpoint(flags, np_, tmp_path / "cut", dataset, seq=2)
     train(np_, tmp_path / "cut", dataset, *flags, resume=True)
     assert_same_model(tmp_path / "whole", tmp_path / "cut")
+
+
+def test_working_shards_go_to_the_maps_ssd_and_leave_with_the_job(dataset, tmp_path):
+    """Without storage.shard_dir, each rank's working shard lives on the SSD its hardware map
+    names (scratch, rebuilt from the checkpoint by every start) and is removed at exit."""
+    nvme = tmp_path / "nvme"
+    vm = (Path(__file__).resolve().parents[2] / "slurm/hwmaps/vm-2cpu.toml").read_text()
+    assert 'path = "/var/tmp/hvctr"' in vm
+    hwmap = tmp_path / "map.toml"
+    hwmap.write_text(vm.replace('path = "/var/tmp/hvctr"', f'path = "{nvme}"'))
+    run = tmp_path / "run"
+    r = train(2, run, dataset, f"--topology.hwmap={hwmap}", "--train.max_steps=8")
+    assert f"working shards: {nvme}/hvctr-shards/run-" in r.stdout
+    assert (run / "checkpoints").is_dir() and not (run / "shards").exists()
+    left = [p for p in nvme.rglob("*") if p.is_file()]
+    assert left == [], left
