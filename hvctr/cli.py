@@ -44,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _horovod_shut_down(e: BaseException | None) -> bool:
+    """Whether ``e`` or an exception it was raised from (the prefetch thread's, re-raised in
+    the main thread) is Horovod's HorovodInternalError (horovod is not imported here)."""
+    while e is not None:
+        if type(e).__name__ == "HorovodInternalError":
+            return True
+        e = e.__cause__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
@@ -64,6 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         if not agreed:
             abort_job(2)  # this rank's error alone: other ranks may wait in a collective
         return 2
+    except Exception as e:
+        if not _horovod_shut_down(e):
+            raise
+        # Horovod shut down under this rank's collective: another rank failed inside Horovod.
+        print(f"hvctr {args.command}: error: Horovod shut down while this rank was in a collective "
+              f"({e.__class__.__name__}): another rank failed; its log (<run_dir>/logs) says why. "
+              f"--resume continues from the last complete checkpoint.", file=sys.stderr)
+        abort_job(3)
+        return 3
 
 
 if __name__ == "__main__":

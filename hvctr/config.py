@@ -129,7 +129,12 @@ class TrainConfig:
     seed: int = 1234  # dense parameter init; identical on every rank
     device: Device = Device.AUTO
     threads: int = 0  # torch threads per rank; 0: the placement plan's, else 1
-    queue_timeout_s: float = 600.0  # prefetch queue waits; a hung reader becomes an error
+    queue_timeout_s: float = 900.0  # prefetch queue waits; a hung reader becomes an error
+    # a collective that waits this long for a rank that never comes (hung, stopped, stuck in I/O)
+    # stops the job with Horovod's report of the missing ranks; 0: wait forever. Keep it under
+    # queue_timeout_s, so that a peer's hang is reported as one (rank 0 does the checking: a
+    # hang of rank 0 itself is left to the job's time limit)
+    stall_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -360,6 +365,8 @@ def _validate(cfg: Config) -> None:
     _require(all(h >= 1 for h in cfg.model.hidden), "model.hidden", f"layer sizes must be >= 1, got {cfg.model.hidden}")
     _require(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
     _require(t.max_steps >= 0, "train.max_steps", f"must be >= 0, got {t.max_steps}")
+    _require(t.stall_timeout_s == 0 or t.stall_timeout_s >= 2, "train.stall_timeout_s",
+             f"must be 0 (off) or >= 2 seconds, got {t.stall_timeout_s}")
     for k in ("dense_lr", "sparse_lr", "eps"):
         _require(getattr(t, k) > 0, f"train.{k}", f"must be > 0, got {getattr(t, k)}")
     for k in ("beta1", "beta2"):

@@ -15,16 +15,19 @@ hierarchical dense merge: reduce inside the node, cross the network once per nod
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 import horovod.torch as hvd
 
+from hvctr.dist.watchdog import CollectiveWatchdog
 from hvctr.dist.world import group_errors, raise_agreed, world_rank  # noqa: F401 (world_rank: callers import it here)
 
 T = TypeVar("T")
@@ -41,6 +44,10 @@ class Comm:
     node_ranks: list[list[int]] = field(repr=False)  # ranks of each node, ascending
     _node_set: Any = field(default=None, repr=False)
     _leader_set: Any = field(default=None, repr=False)
+    watchdog: CollectiveWatchdog | None = field(default=None, repr=False)  # times every collective below
+
+    def _waiting(self, name: str) -> ContextManager[None]:
+        return self.watchdog.waiting(name) if self.watchdog is not None else contextlib.nullcontext()
 
     # --- reductions -------------------------------------------------------------------
 
@@ -49,9 +56,10 @@ class Comm:
         """Elementwise sums over ranks of a list of tensors, in one grouped allreduce."""
         if not tensors:
             return []
-        # comm: one grouped allreduce (Sum) of every tensor in the list
-        return list(hvd.grouped_allreduce(list(tensors), op=hvd.Sum, name=name,
-                                          compression=compression or hvd.Compression.none))
+        with self._waiting(name):
+            # comm: one grouped allreduce (Sum) of every tensor in the list
+            return list(hvd.grouped_allreduce(list(tensors), op=hvd.Sum, name=name,
+                                              compression=compression or hvd.Compression.none))
 
     def allreduce_avg(self, tensors: Sequence[torch.Tensor], name: str,
                       compression: Any = None) -> list[torch.Tensor]:
@@ -70,29 +78,32 @@ class Comm:
             return []
         if self.num_nodes == 1 or self.size == self.num_nodes:
             return self.allreduce_sum(tensors, name)
-        # comm: intra-node grouped allreduce (Sum) over this rank's node process set
-        partial = hvd.grouped_allreduce(tensors, op=hvd.Sum, name=f"{name}.intra",
-                                        process_set=self._node_set)
-        leader = self.local_rank == 0
-        if leader:
-            # comm: inter-node grouped allreduce (Sum) among node leaders only
-            partial = hvd.grouped_allreduce(partial, op=hvd.Sum, name=f"{name}.inter",
-                                            process_set=self._leader_set)
-        contrib = partial if leader else [torch.zeros_like(t) for t in partial]
-        # comm: intra-node grouped allreduce (Sum) that carries the leader's result to the node
-        return list(hvd.grouped_allreduce(contrib, op=hvd.Sum, name=f"{name}.bcast",
-                                          process_set=self._node_set))
+        with self._waiting(name):
+            # comm: intra-node grouped allreduce (Sum) over this rank's node process set
+            partial = hvd.grouped_allreduce(tensors, op=hvd.Sum, name=f"{name}.intra",
+                                            process_set=self._node_set)
+            leader = self.local_rank == 0
+            if leader:
+                # comm: inter-node grouped allreduce (Sum) among node leaders only
+                partial = hvd.grouped_allreduce(partial, op=hvd.Sum, name=f"{name}.inter",
+                                                process_set=self._leader_set)
+            contrib = partial if leader else [torch.zeros_like(t) for t in partial]
+            # comm: intra-node grouped allreduce (Sum) that carries the leader's result to the node
+            return list(hvd.grouped_allreduce(contrib, op=hvd.Sum, name=f"{name}.bcast",
+                                              process_set=self._node_set))
 
     def allreduce_min_int(self, values: Sequence[int], name: str) -> list[int]:
         """Elementwise minimum over ranks of small integers (window lengths, stop flags)."""
         t = torch.tensor(list(values), dtype=torch.int64)
-        # comm: allreduce (Min) of a few int64 scalars
-        return hvd.allreduce(t, op=hvd.Min, name=name).tolist()
+        with self._waiting(name):
+            # comm: allreduce (Min) of a few int64 scalars
+            return hvd.allreduce(t, op=hvd.Min, name=name).tolist()
 
     def allreduce_max_int(self, values: Sequence[int], name: str) -> list[int]:
         t = torch.tensor(list(values), dtype=torch.int64)
-        # comm: allreduce (Max) of a few int64 scalars
-        return hvd.allreduce(t, op=hvd.Max, name=name).tolist()
+        with self._waiting(name):
+            # comm: allreduce (Max) of a few int64 scalars
+            return hvd.allreduce(t, op=hvd.Max, name=name).tolist()
 
     # --- exchanges --------------------------------------------------------------------
 
@@ -108,35 +119,40 @@ class Comm:
             raise ValueError(f"alltoall {name}: {splits.numel()} splits for {self.size} ranks")
         if int(splits.sum()) != tensor.shape[0]:
             raise ValueError(f"alltoall {name}: splits sum to {int(splits.sum())}, tensor has {tensor.shape[0]} rows")
-        # comm: alltoall with per-rank splits
-        out, received = hvd.alltoall(tensor.contiguous(), splits=splits, name=name)
+        with self._waiting(name):
+            # comm: alltoall with per-rank splits
+            out, received = hvd.alltoall(tensor.contiguous(), splits=splits, name=name)
         return out, received.to(torch.int64)
 
     def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Concatenation along dim 0 of every rank's tensor, in rank order (lengths may differ)."""
-        # comm: allgather
-        return hvd.allgather(tensor.contiguous(), name=name)
+        with self._waiting(name):
+            # comm: allgather
+            return hvd.allgather(tensor.contiguous(), name=name)
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
-        # comm: broadcast of one tensor from root
-        return hvd.broadcast(tensor.contiguous(), root_rank=root, name=name)
+        with self._waiting(name):
+            # comm: broadcast of one tensor from root
+            return hvd.broadcast(tensor.contiguous(), root_rank=root, name=name)
 
     def broadcast_object(self, obj: Any, root: int, name: str) -> Any:
         """Broadcasts a small JSON-serialisable object (JSON, not pickle: nothing received runs code)."""
         payload = _encode(obj) if self.rank == root else torch.zeros(0, dtype=torch.uint8)
         n = torch.tensor([payload.numel()], dtype=torch.int64)
-        # comm: broadcast of the payload length, then of the payload
-        n = int(hvd.broadcast(n, root_rank=root, name=f"{name}.len")[0])
-        buf = payload if self.rank == root else torch.zeros(n, dtype=torch.uint8)
-        buf = hvd.broadcast(buf, root_rank=root, name=f"{name}.data")
+        with self._waiting(name):
+            # comm: broadcast of the payload length, then of the payload
+            n = int(hvd.broadcast(n, root_rank=root, name=f"{name}.len")[0])
+            buf = payload if self.rank == root else torch.zeros(n, dtype=torch.uint8)
+            buf = hvd.broadcast(buf, root_rank=root, name=f"{name}.data")
         return _decode(buf)
 
     def allgather_object(self, obj: Any, name: str) -> list[Any]:
         """Every rank's small JSON-serialisable object, as a list in rank order."""
         payload = _encode(obj)
-        # comm: allgather of payload lengths, then of the payloads
-        lengths = hvd.allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.len")
-        data = hvd.allgather(payload, name=f"{name}.data")
+        with self._waiting(name):
+            # comm: allgather of payload lengths, then of the payloads
+            lengths = hvd.allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.len")
+            data = hvd.allgather(payload, name=f"{name}.data")
         parts = torch.split(data, lengths.tolist())
         return [_decode(p) for p in parts]
 
@@ -156,10 +172,13 @@ class Comm:
         return result
 
     def barrier(self) -> None:
-        # comm: barrier
-        hvd.barrier()
+        with self._waiting("barrier"):
+            # comm: barrier
+            hvd.barrier()
 
     def shutdown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         hvd.shutdown()
 
 
@@ -193,10 +212,21 @@ def _node_grouping(ranks_per_virtual_node: int) -> list[list[int]]:
     return sorted(groups.values(), key=lambda g: g[0])
 
 
-def init_comm(ranks_per_virtual_node: int = 0) -> Comm:
-    """Starts Horovod (once per process) with process sets for the node grouping."""
+def stall_warnings(timeout_s: float) -> None:
+    """Horovod's stall inspector warns (naming the ranks that did not submit, from processes
+    that still run) after min(60 s, half the timeout), before the watchdog ends the job.
+    A HOROVOD_STALL_CHECK_TIME_SECONDS already set wins. Call before Horovod starts."""
+    if timeout_s > 0:
+        os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(1, min(60, int(timeout_s // 2)))))
+
+
+def init_comm(ranks_per_virtual_node: int = 0, stall_timeout_s: float = 0.0, program: str = "hvctr") -> Comm:
+    """Starts Horovod (once per process) with process sets for the node grouping. With
+    ``stall_timeout_s`` > 0 a CollectiveWatchdog ends the job when a collective waits that long
+    (``program`` starts its error line)."""
     if hvd.is_initialized():
         raise RuntimeError("init_comm called twice in one process")
+    stall_warnings(stall_timeout_s)
     nodes = _node_grouping(ranks_per_virtual_node)
     process_sets = []
     leader_ranks = [g[0] for g in nodes]
@@ -218,4 +248,5 @@ def init_comm(ranks_per_virtual_node: int = 0) -> Comm:
         node_ranks=nodes,
         _node_set=node_sets[node] if multi else None,
         _leader_set=leader_set if multi and rank in leader_ranks else None,
+        watchdog=CollectiveWatchdog(rank, stall_timeout_s, program) if stall_timeout_s > 0 else None,
     )

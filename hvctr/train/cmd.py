@@ -43,13 +43,14 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:  # hvctr eval (hvctr
     p.add_argument("--split", default="valid", choices=("valid", "train"))
 
 
-def _start(cfg: Config, run_dir: Path):
-    """Horovod, logging, placement, determinism. Returns (comm, device)."""
+def _start(cfg: Config, run_dir: Path, program: str):
+    """Horovod (with the collective watchdog), logging, placement, determinism. Returns (comm,
+    device, the hardware map's SSD directory for this rank or "")."""
     import torch  # here, not at the top: the preflight before it needs none of it
 
     from hvctr.dist import init_comm
 
-    comm = init_comm(cfg.topology.ranks_per_virtual_node)
+    comm = init_comm(cfg.topology.ranks_per_virtual_node, cfg.train.stall_timeout_s, program=f"hvctr {program}")
     if comm.rank == 0:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     comm.barrier()  # comm: barrier: the run directory exists before any rank opens its log
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     stop = StopRequest().install()  # before the seconds of set-up: a preemption signal must not kill us
     cfg = preflight(args.config, overrides, resume=args.resume, init_from=args.init_from)
     run_dir = Path(cfg.train.run_dir)
-    comm, device, ssd_dir = _start(cfg, run_dir)
+    comm, device, ssd_dir = _start(cfg, run_dir, "train")
     from hvctr.train.trainer import Trainer
 
     if comm.rank == 0:
@@ -116,7 +117,7 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     if not (run_dir / "config.toml").is_file():
         raise ValueError(f"{run_dir} is not a run directory: {run_dir / 'config.toml'} is missing")
     cfg = preflight(str(run_dir / "config.toml"), overrides, resume=True, eval_only=True, run_dir=run_dir)
-    comm, device, ssd_dir = _start(cfg, run_dir)
+    comm, device, ssd_dir = _start(cfg, run_dir, "eval")
     from hvctr.train.trainer import Trainer
 
     trainer = Trainer(cfg, comm, device, run_dir, resume=True, ssd_dir=ssd_dir)

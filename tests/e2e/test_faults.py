@@ -487,3 +487,39 @@ def test_checkpoint_files_are_plain_hdf5_and_json(reference):
                 assert _plain(ds.dtype), (path, ds.name, ds.dtype)
             for value in f.attrs.values():
                 assert isinstance(value, (int, float, str, np.integer, np.floating)), value
+
+
+# --- a rank that hangs without dying --------------------------------------------------------------
+
+
+def test_hung_rank_ends_the_job_within_the_stall_timeout(dataset, tmp_path):
+    """Rank 1 frozen (SIGSTOP: alive, never reaching its next collective) after checkpoint 1:
+    rank 0's watchdog ends the job once its collective has waited train.stall_timeout_s,
+    naming the collective; no rank is left behind and the last checkpoint is intact."""
+    run, log = tmp_path / "hung", tmp_path / "hung.log"
+    p = launch(2, run, dataset, *FLAGS, "--train.stall_timeout_s=4", log=log)
+    try:
+        marker = run / "checkpoints" / "ckpt-000001" / "manifest.json"
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pids = rank_pids(p.pid)
+        assert marker.exists() and set(pids) == {0, 1}, log.read_text()
+        os.kill(pids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        rc, seconds = p.wait(timeout=90), time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            signal_job(p, signal.SIGKILL)
+            p.wait(timeout=60)
+    out = log.read_text(errors="replace")
+    assert rc != 0 and 4 <= seconds < 60, (rc, seconds, out[-3000:])
+    found = re.findall(r"hvctr train: error: rank 0: collective '([^']+)' has waited (\d+) s", out)
+    assert len(found) == 1, out[-3000:]
+    # one report: rank 1, woken by the job's teardown (SIGCONT, then SIGTERM), sees the gap in
+    # its own clock and does not take its frozen time for a wait
+    assert out.count(HVCTR_ERROR) == 1, out[-3000:]
+    assert int(found[0][1]) >= 4 and "train.stall_timeout_s = 4" in out
+    assert not any(sign in out for sign in ("Traceback", "Segmentation fault", "Bus error")), out[-3000:]
+    assert_nothing_left(run)
+    assert verified_newest(run / "checkpoints")["seq"] >= 1
