@@ -76,7 +76,7 @@ def test_same_shards_for_1_2_3_processes(tmp_path, mixed_inputs):
 def big_input(tmp_path_factory) -> tuple[Path, dict]:
     """A file large enough to be killed in the middle, and its uninterrupted output."""
     root = tmp_path_factory.mktemp("big")
-    generate(500_000, seed=31, out=str(root / "big.tsv"))
+    generate(2_000_000, seed=31, out=str(root / "big.tsv"))  # parse lasts several manifest flushes (0.5 s apart)
     criteo(0, "--input", root / "big.tsv", "--out", root / "ref", "--shards", 16, "--valid-fraction", 0.05,
            "--chunk-mb", 1)
     return root / "big.tsv", checksums(manifest(root / "ref"))

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(args.out).with_suffix(".scratch")
     cfg = load_config(run / "config.toml")
     cfg = replace(cfg, checkpoint={"dir": str(run / "checkpoints")}, storage={"shard_dir": str(scratch / "shards")})
-    comm, device = _start(cfg, scratch)
+    comm, device, _ = _start(cfg, scratch, "predict")
     trainer = Trainer(cfg, comm, device, scratch, resume=True)
     blk = parse_block(Path(args.input).read_bytes(), RowFormat.tsv())
     assert not blk.bad and trainer.state.step > 0
