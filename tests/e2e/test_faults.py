@@ -80,6 +80,27 @@ def rank_pids(mpirun_pid: int) -> dict[int, int]:
     return out
 
 
+def signal_rank_after_checkpoint(p: subprocess.Popen, run: Path, log: Path, seq: int, rank: int, sig: int,
+                                 grace: float) -> tuple[int | None, float | None]:
+    """Sends ``sig`` to one rank of job ``p`` once checkpoint ``seq`` is complete; returns the
+    job's exit status and the seconds it took to end after the signal ((None, None) if it did
+    not end within ``grace`` seconds: it is then killed)."""
+    marker = run / "checkpoints" / f"ckpt-{seq:06d}" / "manifest.json"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pids = rank_pids(p.pid)
+    assert marker.exists() and rank in pids, log.read_text()
+    os.kill(pids[rank], sig)
+    t0 = time.monotonic()
+    try:
+        return p.wait(timeout=grace), time.monotonic() - t0
+    except subprocess.TimeoutExpired:  # not ended in time: the caller's test says so
+        signal_job(p, signal.SIGKILL)
+        p.wait(timeout=60)
+        return None, None
+
+
 def live_processes(marker: str) -> list[str]:
     """Processes (not zombies) whose command line contains ``marker`` (a run's unique path)."""
     found = []
@@ -170,19 +191,7 @@ def first_runs(dataset, tmp_path_factory) -> tuple[Path, Killed]:
     run, log = root / "killed", root / "killed.log"
     p = launch(2, run, dataset, *FLAGS, log=log)
     try:
-        marker = run / "checkpoints" / "ckpt-000002" / "manifest.json"
-        deadline = time.monotonic() + JOB_TIMEOUT
-        while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        pids = rank_pids(p.pid)
-        assert marker.exists() and set(pids) == {0, 1}, log.read_text()
-        os.kill(pids[1], signal.SIGKILL)
-        t0 = time.monotonic()
-        rc, seconds = p.wait(timeout=60), time.monotonic() - t0
-    except subprocess.TimeoutExpired:  # not ended within 60 s: the test says so
-        signal_job(p, signal.SIGKILL)
-        p.wait(timeout=60)
-        rc, seconds = None, None
+        rc, seconds = signal_rank_after_checkpoint(p, run, log, seq=2, rank=1, sig=signal.SIGKILL, grace=60)
     except BaseException:
         for job in (p, ref):
             signal_job(job, signal.SIGKILL)
@@ -499,21 +508,13 @@ def test_hung_rank_ends_the_job_within_the_stall_timeout(dataset, tmp_path):
     run, log = tmp_path / "hung", tmp_path / "hung.log"
     p = launch(2, run, dataset, *FLAGS, "--train.stall_timeout_s=4", log=log)
     try:
-        marker = run / "checkpoints" / "ckpt-000001" / "manifest.json"
-        deadline = time.monotonic() + JOB_TIMEOUT
-        while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        pids = rank_pids(p.pid)
-        assert marker.exists() and set(pids) == {0, 1}, log.read_text()
-        os.kill(pids[1], signal.SIGSTOP)
-        t0 = time.monotonic()
-        rc, seconds = p.wait(timeout=90), time.monotonic() - t0
+        rc, seconds = signal_rank_after_checkpoint(p, run, log, seq=1, rank=1, sig=signal.SIGSTOP, grace=60)
     finally:
         if p.poll() is None:
             signal_job(p, signal.SIGKILL)
             p.wait(timeout=60)
     out = log.read_text(errors="replace")
-    assert rc != 0 and 4 <= seconds < 60, (rc, seconds, out[-3000:])
+    assert seconds is not None and rc != 0 and seconds >= 4, (rc, seconds, out[-3000:])
     found = re.findall(r"hvctr train: error: rank 0: collective '([^']+)' has waited (\d+) s", out)
     assert len(found) == 1, out[-3000:]
     # one report: rank 1, woken by the job's teardown (SIGCONT, then SIGTERM), sees the gap in
