@@ -14,8 +14,9 @@ clock and the bucket table (which rank owns which virtual bucket: ``hvctr reshar
 it), under a temporary name, then renames the file. The file's space is reserved first
 (posix_fallocate), so a full disk is a clear error that leaves nothing behind, never a crash
 inside HDF5. Rank 0 gathers the files' checksums and writes manifest.json last (temporary
-name, rename): the manifest is the completion marker. A directory without a manifest, or
-whose checksums do not match, is not a checkpoint; resume falls back to the newest complete
+name, rename): the manifest is the completion marker, and carries the sha256 of its own
+content (``manifest_sha256``), so a flipped bit that leaves it valid JSON is caught too. A
+directory without a manifest, or whose checksums do not match, is not a checkpoint; resume falls back to the newest complete
 one and moves the newer ones to rejected/ (this run will write new ones under their numbers).
 
 The working shard is only a working copy: after a crash it may hold rows written after the
@@ -86,14 +87,44 @@ def rank_file_path(directory: str | Path, seq: int, rank: int) -> Path:
     return checkpoint_path(directory, seq) / _rank_file(rank)
 
 
+MANIFEST_CHECKSUM = "manifest_sha256"
+
+
+def _manifest_digest(manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Writes ``manifest`` with the sha256 of its own content (temporary name, then rename:
+    the manifest is a completion marker); returns what was written."""
+    sealed = {**manifest, MANIFEST_CHECKSUM: _manifest_digest(manifest)}
+    _write_json(path, sealed)
+    return sealed
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """A manifest written by write_manifest; ValueError naming the file when it is not JSON or
+    does not match its own checksum (manifests from before the checksum have none to check)."""
+    try:
+        manifest = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e}): damaged or half-written") from None
+    want = manifest.get(MANIFEST_CHECKSUM) if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict) or (want is not None and want != _manifest_digest(manifest)):
+        raise ValueError(f"{path} does not match its own checksum: damaged")
+    return manifest
+
+
 def read_manifests(directory: str | Path) -> list[dict[str, Any]]:
-    """Manifests of the complete checkpoints under ``directory``, newest first."""
+    """Manifests of the complete checkpoints under ``directory``, newest first; a damaged one
+    is left out with a warning (its checkpoint is then incomplete)."""
     out = []
     for path in Path(directory).glob(f"{_PREFIX}*/manifest.json"):
         try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            log.warning(f"ignoring unreadable checkpoint manifest {path}: {e}")
+            out.append(read_manifest(path))
+        except (OSError, ValueError) as e:
+            log.warning(f"ignoring checkpoint manifest {path}: {e}")
     return sorted(out, key=lambda m: m["seq"], reverse=True)
 
 
@@ -263,7 +294,7 @@ class CheckpointManager:
                     "state": asdict(state), "files": files, **extra}
         if self.comm.rank == 0:
             try:
-                _write_json(ckdir / "manifest.json", manifest)
+                manifest = write_manifest(ckdir / "manifest.json", manifest)
             except OSError as e:
                 (ckdir / "manifest.json.tmp").unlink(missing_ok=True)
                 raise self._write_error(seq, ckdir / "manifest.json", e) from None

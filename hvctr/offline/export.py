@@ -19,7 +19,6 @@ One rank's rows are sorted in memory: about (dim + 3) * 4 bytes per row of that 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hvctr.checkpoint import file_sha256
+from hvctr.checkpoint import file_sha256, write_manifest
 from hvctr.config import Config, load_config, to_dict
 from hvctr.log import get_logger
 from hvctr.offline.reader import CheckpointReader
@@ -82,7 +81,7 @@ def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None =
     dense_names = _write_dense(tmp / "dense.h5", cfg, reader.dense(0))
     files.append(_record(tmp, "dense.h5"))
     manifest = _manifest(cfg, reader, files, dense_names, sum(rows))
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    manifest = write_manifest(tmp / "manifest.json", manifest)  # with the sha256 of its own content
     os.replace(tmp, out)  # the export appears whole or not at all
     return manifest
 

@@ -25,7 +25,6 @@ s with s % W2 == r: the same samples in another order, not the same batches).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hvctr.checkpoint import FORMAT_VERSION, RowWriter, checkpoint_path, file_sha256, read_manifests
+from hvctr.checkpoint import FORMAT_VERSION, RowWriter, checkpoint_path, file_sha256, read_manifests, write_manifest
 from hvctr.keys import NUM_BUCKETS, owner_of
 from hvctr.offline.reader import CheckpointReader
 
@@ -99,10 +98,7 @@ def reshard(source: str | Path, world_size: int, out: str | Path) -> dict[str, A
     manifest = _manifest(reader, world_size, records, {
         "checkpoint": str(reader.path.resolve()), "seq": reader.seq, "world_size": reader.world_size,
         "buckets_moved": int(np.count_nonzero(old != new)), "rows": rows, "rows_moved": moved})
-    tmp = ckdir / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, ckdir / "manifest.json")  # the completion marker, last
-    return manifest
+    return write_manifest(ckdir / "manifest.json", manifest)  # the completion marker, last
 
 
 def _move_rows(reader: CheckpointReader, new: np.ndarray, writers: list[RowWriter]) -> tuple[int, int]:

@@ -21,7 +21,6 @@ error naming its file and line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 
 from data_prep.parse import parse_block
 from data_prep.sources import Unit, iter_blocks, open_sources
-from hvctr.checkpoint import file_sha256
+from hvctr.checkpoint import file_sha256, read_manifest
 from hvctr.config import ModelArch, ModelConfig
 from hvctr.keys import owner_of
 from hvctr.metrics import EvalAccumulator
@@ -85,7 +84,7 @@ class ExportedModel:
         path = self.dir / "manifest.json"
         if not path.is_file():
             raise ValueError(f"{self.dir} is not an hvctr export: {path} is missing")
-        m = json.loads(path.read_text())
+        m = read_manifest(path)  # ValueError naming the file when damaged
         if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}, "
                              f"this hvctr reads {FORMAT!r} version {FORMAT_VERSION}")

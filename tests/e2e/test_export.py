@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from data_prep.parse import RowFormat, parse_block
+from hvctr.checkpoint import read_manifest, write_manifest
 from hvctr.cli import main
 from hvctr.keys import owner_of
 from tests.conftest import REPO, VENV_PY, mpi_env
@@ -87,9 +88,9 @@ def test_scores_equal_the_trainers_row_for_row(data, tmp_path, admit_after):
     unseen = np.count_nonzero(~np.isin(keys, np.fromiter(sparse, np.uint64, len(sparse))))
     assert unseen > 1000 and stored > 1000
     # ... and it matters: the other rule gives other scores.
-    manifest = json.loads((exp / "manifest.json").read_text())
+    manifest = read_manifest(exp / "manifest.json")
     manifest["unseen_keys"]["row"] = "init" if admit_after > 1 else "default"
-    (exp / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(exp / "manifest.json", manifest)  # an edit, sealed again: a bare edit is damage
     assert main(["score", "--model", str(exp), "--input", str(mixed), "--out", str(tmp_path / "other.txt")]) == 0
     assert not np.array_equal(np.loadtxt(tmp_path / "other.txt", dtype=np.float32), ref)
 
@@ -109,3 +110,7 @@ def test_score_rejects_a_corrupt_export_and_a_bad_line(data, tmp_path, capsys):
         f.write(b"\0\1\2\3\4\5\6\7")
     assert main(["score", "--model", str(exp), "--input", str(mixed)]) == 2
     assert "rank-00001.h5 is missing or does not match its checksum" in capsys.readouterr().err
+    text = (exp / "manifest.json").read_text()  # an edit that keeps the JSON valid
+    (exp / "manifest.json").write_text(text.replace('"batch_size": ', '"batch_size": 1', 1))
+    assert main(["score", "--model", str(exp), "--input", str(mixed)]) == 2
+    assert "manifest.json does not match its own checksum" in capsys.readouterr().err
