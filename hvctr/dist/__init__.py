@@ -3,7 +3,8 @@
 Training-path collectives go through Horovod (it matches them by name, so a collective issued
 from a helper thread cannot pair with the wrong one); mpi4py is never called from two threads.
 Every call site of a collective carries a ``# comm:`` comment: ``grep -rn '# comm:' hvctr``
-lists every point where ranks wait for each other.
+lists every point where ranks wait for each other, and every one of them runs under the
+collective watchdog (``hvctr.dist.watchdog``: a wait of ``train.stall_timeout_s`` ends the job).
 
 ``hvctr.dist.world`` (mpi4py only) serves the checks before Horovod starts; ``Comm`` and
 ``init_comm`` load Horovod (and torch) on first use, not when the package is imported.

@@ -25,7 +25,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from hvctr.dist.world import abort_job
-EXIT_STALLED = 3
+
+EXIT_STALLED = 3  # the exit status of a job the watchdog ended
 
 
 class CollectiveWatchdog:

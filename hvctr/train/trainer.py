@@ -95,12 +95,18 @@ class Trainer:
 
     def _build_table(self, owner: np.ndarray) -> tuple[EmbeddingStore, ShardedTable]:
         # Always a fresh working shard: on resume it is rebuilt from the checkpoint's chain.
-        shard_dir = self.shard_dir
-        shard_dir.mkdir(parents=True, exist_ok=True)
+        def create() -> EmbeddingStore:
+            try:
+                self.shard_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                where = "storage.shard_dir" if self.cfg.storage.shard_dir else "the hardware map's ssd path"
+                raise ValueError(f"cannot create the working-shard directory {self.shard_dir} ({where}): "
+                                 f"{e.strerror or e}") from None
+            return EmbeddingStore(self.cfg.storage, shard_path(self.shard_dir, self.comm.rank), rank=self.comm.rank,
+                                  world_size=self.comm.size, bucket_owner=owner, create=True)
+
         # comm: allgather of shard-creation errors (a full disk is one rank's: no rank waits alone)
-        store = self.comm.agree(lambda: EmbeddingStore(self.cfg.storage, shard_path(shard_dir, self.comm.rank),
-                                                       rank=self.comm.rank, world_size=self.comm.size,
-                                                       bucket_owner=owner, create=True), name="shard.create")
+        store = self.comm.agree(create, name="shard.create")
         return store, ShardedTable(self.comm, store, owner, self.device)
 
     def _build_reducer(self) -> KStepMerger | SyncGradients:

@@ -378,6 +378,8 @@ BAD_INPUTS = {
     "missing_data_shard": ([], r"rank 1: \S+/train-00001.h5: shard file missing"),
     "other_world_size": ([], r"checkpoint \d+ was written by 2 ranks, this run has 3"),
     "hwmap_numa_node": ([], r"names NUMA node\(s\) 1, which this machine \(\S+\) does not have"),
+    "hwmap_ssd_not_a_directory": ([], r"cannot create the working-shard directory \S+/a-file/ssd/hvctr-shards/run-\w+ "
+                                      r"\(the hardware map's ssd path\): Not a directory"),
 }
 
 
@@ -436,6 +438,9 @@ def failing_jobs(dataset, reference, killed_rank, tmp_path_factory):
     hwmap = root / "numa1.toml"
     vm = (Path(__file__).resolve().parents[2] / "slurm/hwmaps/vm-2cpu.toml").read_text()
     hwmap.write_text(vm.replace("node = 0", "node = 1"))  # the map's NUMA node, and its NIC's and SSD's
+    (root / "a-file").write_text("not a directory")
+    bad_ssd = root / "bad-ssd.toml"  # the map's SSD path lies under a plain file
+    bad_ssd.write_text(vm.replace('path = "/var/tmp/hvctr"', f'path = "{root / "a-file" / "ssd"}"'))
     try:
         disks = _full_disks(reference, root)
     except pytest.skip.Exception as e:  # not root: the other failing jobs still run
@@ -458,6 +463,8 @@ def failing_jobs(dataset, reference, killed_rank, tmp_path_factory):
                                for p in (run / "checkpoints").rglob("*") if p.is_file()}
             elif case == "hwmap_numa_node":
                 flags = [f"--topology.hwmap={hwmap}"]
+            elif case == "hwmap_ssd_not_a_directory":
+                flags = [f"--topology.hwmap={bad_ssd}"]
             elif case in disks:
                 where[case], key = disks[case]
                 flags = [f"{key}={where[case]}"]
