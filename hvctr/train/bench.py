@@ -135,6 +135,12 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
         a = auc[n]
         lines.append(f"| {n} | {sps[n]:,.0f} | {sps[n] / sps['pytorch_plain']:.2f}x | {sps[n] / sps['mlp_ceiling']:.2f}x | "
                      + (f"{a:.4f} | {a - res['bayes_auc']:+.4f} |" if a is not None else "- | - |"))
+    if res["rows"] < 1_000_000:  # --quick
+        steps = int(res["rows"] * (1 - 0.0909)) // (2 * 4096)
+        lines += ["", f"A quick run: {res['rows']:,} rows give each of the 2 ranks about {steps} steps of 4096 "
+                  "(the plain baseline takes twice as many, of the same size, in one process), too few for "
+                  "the models to converge alike: its AUC figures are not comparable, and the targets below "
+                  "are for the full run (2.2M rows)."]
     lines += ["", f"Targets: k = 8 at {sps['hvctr_k8'] / sps['pytorch_plain']:.2f}x the plain PyTorch baseline (target "
               f"1.0x) and {sps['hvctr_k8'] / sps['mlp_ceiling']:.2f}x the MLP-only ceiling (target 0.65x), AUC "
               f"{auc['hvctr_k8'] - auc['pytorch_plain']:+.4f} against the baseline (target no lower than -0.003); "
