@@ -16,8 +16,9 @@ it), under a temporary name, then renames the file. The file's space is reserved
 inside HDF5. Rank 0 gathers the files' checksums and writes manifest.json last (temporary
 name, rename): the manifest is the completion marker, and carries the sha256 of its own
 content (``manifest_sha256``), so a flipped bit that leaves it valid JSON is caught too. A
-directory without a manifest, or whose checksums do not match, is not a checkpoint; resume falls back to the newest complete
-one and moves the newer ones to rejected/ (this run will write new ones under their numbers).
+directory without a manifest, or whose checksums do not match, is not a checkpoint; resume
+falls back to the newest complete one and moves the newer ones to rejected/ (this run will
+write new ones under their numbers).
 
 The working shard is only a working copy: after a crash it may hold rows written after the
 last checkpoint (evictions write back), so resume rebuilds it from the base and the deltas of

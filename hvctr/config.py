@@ -131,9 +131,8 @@ class TrainConfig:
     threads: int = 0  # torch threads per rank; 0: the placement plan's, else 1
     queue_timeout_s: float = 900.0  # prefetch queue waits; a hung reader becomes an error
     # a collective that waits this long for a rank that never comes (hung, stopped, stuck in I/O)
-    # stops the job with Horovod's report of the missing ranks; 0: wait forever. Keep it under
-    # queue_timeout_s, so that a peer's hang is reported as one (rank 0 does the checking: a
-    # hang of rank 0 itself is left to the job's time limit)
+    # ends the job with an error naming it (hvctr.dist.watchdog, on every rank); 0: wait forever.
+    # Keep it under queue_timeout_s, so that a peer's hang is reported as one
     stall_timeout_s: float = 600.0
 
 

@@ -8,7 +8,7 @@ core, measured by ``python -m hvctr.optim.bench``); one pass per row, prefetchin
 takes about 1.2 ms, and the whole sparse path about 5% of the MLP step. The kernels are plain
 C called through ctypes (which releases the GIL), compiled with the system C compiler in about
 a second on first use and cached by a hash of the source and flags: no torch headers, no Python
-extension build. Without a compiler ``lib()`` is None and callers use the torch path.
+extension build. Without a compiler ``lib()`` is None and callers use their torch or numpy path.
 
 Every kernel walks its inputs in order on one thread: results do not depend on timing.
 """

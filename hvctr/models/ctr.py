@@ -20,8 +20,8 @@ def linear_over_blocks(layer: nn.Linear, blocks: Sequence[Tensor]) -> Tensor:
     accumulating GEMM. On the CPU this is faster than the concatenated form in two ways: the
     backward computes no input gradient for a block that needs none (the dense features), and
     no GEMM has the concatenation's odd width as its output (26 x 16 + 13 = 429 columns: MKL's
-    input-gradient GEMM into 429 columns runs at about 2/3 of its speed into 416; together
-    about 10% of a DNN step, ``python -m hvctr.optim.bench``).
+    input-gradient GEMM into 429 columns runs at about 2/3 of its speed into 416). Measured on
+    one core for the default DNN and a batch of 4096: backward 83 -> 68 ms per step.
     """
     widths = [int(x.shape[1]) for x in blocks]
     if sum(widths) != layer.in_features:
