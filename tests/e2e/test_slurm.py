@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -62,6 +64,32 @@ def submit(cluster, script: str, out: Path, *args: str, **env: str) -> int:
     job = cluster.sbatch([f"--output={out}", str(REPO / "slurm" / script), *args],
                          env=job_env(cluster, **env), cwd=REPO)
     return job.job_id
+
+
+def wait_for_checkpoint(cluster, jid: int, run: Path, out: Path, seq: int = 1, timeout: float = 300) -> None:
+    """Until checkpoint ``seq`` of the job's run is complete (training is under way)."""
+    marker = run / "checkpoints" / f"ckpt-{seq:06d}" / "manifest.json"
+    deadline = time.monotonic() + timeout
+    while not marker.exists() and time.monotonic() < deadline:
+        assert cluster.job(jid).get("JobState") in ("PENDING", "RUNNING"), out.read_text()
+        time.sleep(0.05)
+    assert marker.exists(), f"no checkpoint {seq} after {timeout:g} s:\n{out.read_text()}"
+
+
+def task_pid(jid: int, procid: int) -> int:
+    """The pid of task ``procid`` of job ``jid`` (hvctr's python, not srun's wrappers)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (f"SLURM_JOB_ID={jid}".encode() in env and f"SLURM_PROCID={procid}".encode() in env
+                and b"hvctr" in cmd and b"python" in cmd.split(b"\0")[0]):
+            return int(entry.name)
+    raise AssertionError(f"no task {procid} of job {jid} found in /proc")
 
 
 def assert_completed(record: dict[str, str], out: Path) -> None:
@@ -188,12 +216,7 @@ def test_preempted_job_checkpoints_requeues_and_ends_with_the_same_model(slurm_c
                  DATA=str(data), RUN_DIR=str(run))
     # Signal once training is under way (its second checkpoint is written): what Slurm sends
     # before the time limit (--signal=B:USR1@120), to the batch shell only.
-    marker = run / "checkpoints" / "ckpt-000001" / "manifest.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and time.monotonic() < deadline:
-        assert slurm_cluster.job(jid).get("JobState") in ("PENDING", "RUNNING"), out.read_text()
-        time.sleep(0.05)
-    assert marker.exists(), f"no checkpoint after 300 s:\n{out.read_text()}"
+    wait_for_checkpoint(slurm_cluster, jid, run, out)
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", str(jid))
     record = slurm_cluster.wait_done(jid, min_restarts=1)
     assert_completed(record, out)
@@ -218,14 +241,30 @@ def test_cancelled_job_is_not_requeued(slurm_cluster, prepared, tmp_path):
     run, out = tmp_path / "run", tmp_path / "train.out"
     jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, CONFIG=str(REPO / "slurm/configs/demo.toml"),
                  DATA=str(data), RUN_DIR=str(run))
-    marker = run / "checkpoints" / "ckpt-000001" / "manifest.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and time.monotonic() < deadline:
-        assert slurm_cluster.job(jid).get("JobState") in ("PENDING", "RUNNING"), out.read_text()
-        time.sleep(0.05)
+    wait_for_checkpoint(slurm_cluster, jid, run, out)
     slurm_cluster.run("scancel", str(jid))
     assert slurm_cluster.wait_done(jid)["JobState"] == "CANCELLED"
     time.sleep(8)  # longer than a requeue takes to start here (cred_expire 5 s + 1 s + a scheduler pass)
     record = slurm_cluster.job(jid)
     assert record["JobState"] == "CANCELLED" and record["Restarts"] == "0", record
     assert not (run / "slurm" / "events.log").exists(), "the batch shell outlived the cancel"
+
+
+def test_hung_task_fails_the_job_instead_of_holding_it(slurm_cluster, prepared, tmp_path):
+    # Task 1 frozen (SIGSTOP) once training is under way: task 0's watchdog ends the step after
+    # train.stall_timeout_s, srun (--kill-on-bad-exit) takes the frozen task with it, and the
+    # job fails for good (a hang is not a preemption: no requeue) instead of running to its limit.
+    data, _ = prepared
+    run, out = tmp_path / "run", tmp_path / "train.out"
+    jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, "--train.stall_timeout_s=4",
+                 CONFIG=str(REPO / "slurm/configs/demo.toml"), DATA=str(data), RUN_DIR=str(run))
+    wait_for_checkpoint(slurm_cluster, jid, run, out)
+    os.kill(task_pid(jid, 1), signal.SIGSTOP)
+    t0 = time.monotonic()
+    record = slurm_cluster.wait_done(jid, timeout=120)
+    text = out.read_text(errors="replace")
+    assert record["JobState"] == "FAILED" and record["Restarts"] == "0", (record, text[-4000:])
+    assert time.monotonic() - t0 < 90
+    assert re.search(r"hvctr train: error: rank 0: collective '[^']+' has waited \d+ s .*train\.stall_timeout_s = 4",
+                     text), text[-4000:]
+    assert "action=exit" in (run / "slurm" / "events.log").read_text()
