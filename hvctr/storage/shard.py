@@ -29,9 +29,10 @@ Index entries are the exception: they are written through a shared map of the in
 keys land on random slots, so writing them by pwrite costs one system call per key (about
 3 us: 2 s of every 40 in the first epoch of the training benchmark); through the map it is a
 store. The map cannot fault for space: every index block was written at creation (the empty
-marker), so overwriting it allocates nothing on an in-place file system (ext4, xfs, tmpfs,
-Lustre, GPFS). Copy-on-write file systems (btrfs, zfs, bcachefs) allocate on every overwrite:
-there index entries go by pwrite as the rows do.
+marker), so overwriting it allocates nothing on a file system that overwrites in place (ext4
+and tmpfs tested here; xfs, Lustre and GPFS overwrite in place too, untested). Copy-on-write
+file systems (btrfs, zfs, bcachefs) allocate on every overwrite: there index entries go by
+pwrite as the rows do.
 """
 
 from __future__ import annotations

@@ -40,3 +40,19 @@ def test_a_wait_past_the_timeout_is_reported_once_naming_the_collective():
 def test_a_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout"):
         CollectiveWatchdog(rank=0, timeout_s=0)
+
+
+def test_a_horovod_shutdown_is_recognised_through_the_prefetch_threads_wrapper():
+    from hvctr.cli import _horovod_shut_down
+
+    class HorovodInternalError(RuntimeError):  # horovod's class, by name (the cli does not import it)
+        pass
+
+    try:
+        try:
+            raise HorovodInternalError("Horovod has been shut down")
+        except HorovodInternalError as inner:
+            raise RuntimeError("prefetch thread failed") from inner
+    except RuntimeError as outer:
+        assert _horovod_shut_down(outer)
+    assert not _horovod_shut_down(RuntimeError("something else"))
