@@ -22,24 +22,24 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable
 
 import h5py
 import numpy as np
 
 import data_prep
-from data_prep import schema
+from hvctr import formats
 from data_prep.mpi import Comm, get_comm
-from data_prep.parse import parse_block
-from data_prep.pieces import (KeySketch, PieceBuilder, ShardWriter, piece_path,
+from hvctr.formats.lines import parse_block
+from data_prep.pieces import (PieceBuilder, ShardWriter, piece_path,
                               piece_shard_counts)
-from data_prep.schema import NUM_CAT, NUM_DENSE, SPLITS
-from data_prep.sources import (Source, Unit, assign_units, count_lines, iter_blocks, line_start_at,
+from hvctr.formats import NUM_DENSE, NUM_FIELDS, SPLITS, KeySketch
+from hvctr.formats.sources import (Source, Unit, assign_units, count_lines, iter_blocks, line_start_at,
                                make_units, nth_newline, open_sources)
-from hvctr.log import get_logger, setup_logging
+from data_prep.log import get_logger, setup_logging
 
-log = get_logger("data_prep")
+log = get_logger()
 MANIFEST = "manifest.json"
 WORK = "_work"
 SPLIT_RULE = ("global line index g over all inputs in the order given (data lines only, rejected "
@@ -249,7 +249,7 @@ def _file_line(src: Source, unit: Unit, line_in_unit: int) -> int:
 def assemble_shards(job: Job, asm: Assembly, batch: list[int], tick: Callable[[int, int], None]) -> list[dict]:
     """Writes the train and valid files of the shards in ``batch``; returns their records."""
     S = job.shards
-    writers = {(split, s): ShardWriter(os.path.join(job.out, schema.shard_name(split, s)),
+    writers = {(split, s): ShardWriter(os.path.join(job.out, formats.shard_name(split, s)),
                                        asm.rows[split][s], split, s, S)
                for s in batch for split in SPLITS}
     try:
@@ -493,14 +493,14 @@ def _load_manifest(path: str) -> dict | None:
             m = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: unreadable manifest ({e}); delete the directory to start over") from e
-    if m.get("format") != schema.FORMAT:
+    if m.get("format") != formats.FORMAT:
         raise ValueError(f"{path}: not a data_prep manifest")
     return m
 
 
 def _new_manifest(ident: dict, sources: list[Source], num_units: int, shards: int) -> dict:
     return {
-        "format": schema.FORMAT, "format_version": schema.FORMAT_VERSION, "state": "in_progress",
+        "format": formats.FORMAT, "format_version": formats.FORMAT_VERSION, "state": "in_progress",
         "created_by": f"data_prep {data_prep.__version__}", "job": ident, "schema": _schema(),
         "sources": [{"path": s.path, "size": s.size, "format": s.fmt.kind, "gzip": s.gzip,
                      "header": list(s.fmt.header) or None} for s in sources],
@@ -512,19 +512,19 @@ def _new_manifest(ident: dict, sources: list[Source], num_units: int, shards: in
 
 def _schema() -> dict:
     return {
-        "columns": schema.COLUMN_NAMES,
+        "columns": formats.COLUMN_NAMES,
         "datasets": {"labels": {"dtype": "float32", "shape": ["N"]},
                      "dense": {"dtype": "float32", "shape": ["N", NUM_DENSE],
-                               "columns": schema.DENSE_NAMES, "transform": "log1p(max(x, 0)); missing -> 0"},
-                     "keys": {"dtype": "uint64", "shape": ["N", NUM_CAT], "columns": schema.CAT_NAMES},
-                     "key_sketch": {"dtype": "uint8", "shape": [NUM_CAT, 1 << schema.SKETCH_BITS],
+                               "columns": formats.DENSE_NAMES, "transform": "log1p(max(x, 0)); missing -> 0"},
+                     "keys": {"dtype": "uint64", "shape": ["N", NUM_FIELDS], "columns": formats.CAT_NAMES},
+                     "key_sketch": {"dtype": "uint8", "shape": [NUM_FIELDS, 1 << formats.SKETCH_BITS],
                                     "what": "HyperLogLog registers per field"}},
         "key_rule": ("hex value of 1..16 digits: mix64((f << 56) ^ int(v, 16)); other values: "
                      "mix64(fnv1a64(b'%d\\x1f' % f + v)); missing: the empty value; f = 0 for C1; "
-                     "EMPTY_KEY remapped (hvctr.keys)"),
+                     "EMPTY_KEY remapped (hvctr.formats)"),
         "split_rule": SPLIT_RULE,
         "checksums": "sha256 of each dataset's contents, C order, little-endian",
-        "hdf5": {"libver": list(schema.HDF5_LIBVER), "track_times": False, "layout": "contiguous"},
+        "hdf5": {"libver": list(formats.HDF5_LIBVER), "track_times": False, "layout": "contiguous"},
     }
 
 
@@ -608,7 +608,7 @@ def _finish(m: dict, job: Job) -> None:
         for rec in m["shards"][split]:
             with h5py.File(os.path.join(job.out, rec["file"]), "r") as f:
                 sketch.merge(KeySketch(f["key_sketch"][...]))
-    missing = np.sum([p["missing"] for u in m["units"] for p in u["pieces"]] or [np.zeros(NUM_DENSE + NUM_CAT)], axis=0)
+    missing = np.sum([p["missing"] for u in m["units"] for p in u["pieces"]] or [np.zeros(NUM_DENSE + NUM_FIELDS)], axis=0)
     distinct = sketch.estimate()
     split_tot = {}
     for split in SPLITS:
@@ -620,9 +620,9 @@ def _finish(m: dict, job: Job) -> None:
     m["totals"] = {
         "lines": m["split"]["lines"], "rows": rows, "bad_lines": len(m["bad_lines"]), "positives": pos,
         "label_rate": pos / rows, **split_tot,
-        "missing": dict(zip(schema.DENSE_NAMES + schema.CAT_NAMES, (int(x) for x in missing))),
-        "distinct_keys_estimate": dict(zip(schema.CAT_NAMES, (int(round(x)) for x in distinct))),
+        "missing": dict(zip(formats.DENSE_NAMES + formats.CAT_NAMES, (int(x) for x in missing))),
+        "distinct_keys_estimate": dict(zip(formats.CAT_NAMES, (int(round(x)) for x in distinct))),
         "distinct_keys_estimate_total": int(round(distinct.sum())),
-        "keys": rows * NUM_CAT,
+        "keys": rows * NUM_FIELDS,
     }
     m["state"], m["phase"] = "complete", "complete"

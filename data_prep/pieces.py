@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import h5py
 import numpy as np
 
-from data_prep import schema
-from data_prep.parse import Block
-from data_prep.schema import NUM_CAT, NUM_DENSE, SKETCH_BITS
+from hvctr import formats
+from hvctr.formats.lines import Block
+from hvctr.formats import NUM_DENSE, NUM_FIELDS, KeySketch
 
 
 WRITE_ROWS = 1 << 15  # rows a shard writer gathers before one write to its file
@@ -50,20 +50,20 @@ class PieceBuilder:
     def write(self, path: str) -> dict:
         labels = _cat([b.labels for b in self.parts], np.float32, (0,))
         dense = _cat([b.dense for b in self.parts], np.float32, (0, NUM_DENSE))
-        keys = _cat([b.keys for b in self.parts], np.uint64, (0, NUM_CAT))
+        keys = _cat([b.keys for b in self.parts], np.uint64, (0, NUM_FIELDS))
         lines = _cat([b.lines for b in self.parts], np.int64, (0,))
         group = lines % self.shards
         order = np.argsort(group.astype(np.uint16 if self.shards <= 1 << 16 else np.int64), kind="stable")
         goff = np.zeros(self.shards + 1, dtype=np.int64)
         np.cumsum(np.bincount(group, minlength=self.shards), out=goff[1:])
         tmp = path + ".tmp"
-        with h5py.File(tmp, "w", libver=schema.HDF5_LIBVER) as f:
+        with h5py.File(tmp, "w", libver=formats.HDF5_LIBVER) as f:
             f.create_dataset("labels", data=labels[order], track_times=False)
             f.create_dataset("dense", data=dense[order], track_times=False)
             f.create_dataset("keys", data=keys[order], track_times=False)
             f.attrs["goff"] = goff
         os.replace(tmp, path)
-        missing = np.sum([b.missing for b in self.parts], axis=0) if self.parts else np.zeros(NUM_DENSE + NUM_CAT)
+        missing = np.sum([b.missing for b in self.parts], axis=0) if self.parts else np.zeros(NUM_DENSE + NUM_FIELDS)
         return {"lines": self.lines, "rows": int(labels.size), "positives": int(labels.sum()),
                 "missing": [int(x) for x in missing], "bad": [[int(i), why] for i, why in self.bad]}
 
@@ -96,55 +96,22 @@ def _residue_counts(offset: int, lo: int, hi: int, shards: int) -> np.ndarray:
     return np.maximum(0, (hi - first + shards - 1) // shards)
 
 
-class KeySketch:
-    """HyperLogLog registers per field (2^SKETCH_BITS each); max-mergeable, order-free.
-
-    Keys are mix64 outputs (uniform bits), so the low bits pick the register and the rest
-    give the rank; no second hash is needed."""
-
-    def __init__(self, registers: np.ndarray | None = None) -> None:
-        m = 1 << SKETCH_BITS
-        self.registers = np.zeros((NUM_CAT, m), dtype=np.uint8) if registers is None else registers
-
-    def update(self, keys: np.ndarray) -> None:
-        m = 1 << SKETCH_BITS
-        low = (keys & np.uint64(m - 1)).astype(np.int64)
-        rest = keys >> np.uint64(SKETCH_BITS)
-        # rank = leading zeros of the 64-p remaining bits + 1; frexp is exact below 2^53
-        rank = (65 - SKETCH_BITS - np.frexp(rest.astype(np.float64))[1]).astype(np.uint8)
-        idx = low + np.arange(NUM_CAT, dtype=np.int64) * m
-        np.maximum.at(self.registers.reshape(-1), idx.reshape(-1), rank.reshape(-1))
-
-    def merge(self, other: "KeySketch") -> None:
-        np.maximum(self.registers, other.registers, out=self.registers)
-
-    def estimate(self) -> np.ndarray:
-        """Distinct keys per field (HyperLogLog with the small-range correction)."""
-        m = 1 << SKETCH_BITS
-        alpha = 0.7213 / (1 + 1.079 / m)
-        z = np.sum(np.exp2(-self.registers.astype(np.float64)), axis=1)
-        raw = alpha * m * m / z
-        zeros = np.count_nonzero(self.registers == 0, axis=1)
-        linear = m * np.log(m / np.maximum(zeros, 1))
-        return np.where((raw <= 2.5 * m) & (zeros > 0), linear, raw)
-
-
 class ShardWriter:
     """One output shard of known size, written front to back; checksums as it goes."""
 
     def __init__(self, path: str, rows: int, split: str, shard: int, shards: int) -> None:
         self.path, self.rows, self.split, self.shard = path, rows, split, shard
         self.tmp = path + ".tmp"
-        self.file = h5py.File(self.tmp, "w", libver=schema.HDF5_LIBVER)
+        self.file = h5py.File(self.tmp, "w", libver=formats.HDF5_LIBVER)
         f = self.file
         self.dsets = {
             "labels": f.create_dataset("labels", (rows,), np.float32, track_times=False),
             "dense": f.create_dataset("dense", (rows, NUM_DENSE), np.float32, track_times=False),
-            "keys": f.create_dataset("keys", (rows, NUM_CAT), np.uint64, track_times=False),
+            "keys": f.create_dataset("keys", (rows, NUM_FIELDS), np.uint64, track_times=False),
         }
-        f.attrs.update({"format": schema.FORMAT, "format_version": schema.FORMAT_VERSION,
+        f.attrs.update({"format": formats.FORMAT, "format_version": formats.FORMAT_VERSION,
                         "split": split, "shard": shard, "num_shards": shards, "rows": rows})
-        self.hash = {name: hashlib.sha256() for name in schema.DATASETS}
+        self.hash = {name: hashlib.sha256() for name in formats.DATASETS}
         self.sketch = KeySketch()
         self.pos = 0
         self.positives = 0

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data_prep.schema import NUM_CAT, NUM_DENSE
-from hvctr.keys import mix64
+from hvctr.formats import NUM_FIELDS, NUM_DENSE
+from hvctr.formats import mix64
 
 CHUNK_ROWS = 1 << 14  # small enough that the temporaries stay in cache: ~2x faster than 2^16
 CALIBRATION_ROWS = 1 << 17  # sample that sets scale and bias: the AUC lands within ~0.002 of the target
@@ -95,13 +95,13 @@ def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25
     m = Model(
         seed=seed, day=day, drift=drift,
         vocab=np.maximum(np.array(CRITEO_VOCAB, dtype=np.int64), 10),
-        zipf_a=rng.uniform(1.05, 1.4, NUM_CAT), zipf_q=rng.uniform(1.0, 20.0, NUM_CAT),
-        cat_missing=np.array(CAT_MISSING), cat_scale=np.exp(rng.uniform(np.log(0.2), np.log(1.0), NUM_CAT)),
-        salts=mix64(np.arange(NUM_CAT, dtype=np.uint64) + np.uint64(seed) * np.uint64(1000003)),
+        zipf_a=rng.uniform(1.05, 1.4, NUM_FIELDS), zipf_q=rng.uniform(1.0, 20.0, NUM_FIELDS),
+        cat_missing=np.array(CAT_MISSING), cat_scale=np.exp(rng.uniform(np.log(0.2), np.log(1.0), NUM_FIELDS)),
+        salts=mix64(np.arange(NUM_FIELDS, dtype=np.uint64) + np.uint64(seed) * np.uint64(1000003)),
         dense_mu=rng.uniform(0.0, 4.0, NUM_DENSE), dense_sigma=rng.uniform(0.8, 2.6, NUM_DENSE),
         dense_missing=np.array(DENSE_MISSING), dense_beta=rng.normal(0.0, 0.35, NUM_DENSE),
         dense_missing_effect=rng.normal(0.0, 0.3, NUM_DENSE),
-        pairs=np.array([rng.choice(NUM_CAT, 2, replace=False) for _ in range(NUM_PAIRS)]),
+        pairs=np.array([rng.choice(NUM_FIELDS, 2, replace=False) for _ in range(NUM_PAIRS)]),
         pair_scale=rng.uniform(0.3, 0.8, NUM_PAIRS),
         dense_pairs=np.array([rng.choice(NUM_DENSE, 2, replace=False) for _ in range(NUM_DENSE_PAIRS)]),
         dense_pair_scale=rng.normal(0.0, 0.25, NUM_DENSE_PAIRS),
@@ -150,7 +150,7 @@ def _draw(m: Model, rng: np.random.Generator, n: int):
     logit before scale and bias."""
     # one uniform per value: below the missing rate it is missing, else rescaled and put
     # through the continuous inverse CDF of (k + q)^-a on [0, V), floored
-    u = rng.random((n, NUM_CAT))
+    u = rng.random((n, NUM_FIELDS))
     miss = u < m.cat_missing
     u = (u - m.cat_missing) / (1.0 - m.cat_missing)
     one = 1.0 - m.zipf_a
@@ -277,13 +277,13 @@ def format_tsv(labels: np.ndarray, ints: np.ndarray, dmiss: np.ndarray, hexv: np
     ik[:, :, 0] = (ints < 0) & ~dmiss
     ik[:, :, 1:13] = _KEEP12[ndig]
     ik[:, :, 13] = True
-    cw = np.empty((n, NUM_CAT, 3), dtype="<u4")
+    cw = np.empty((n, NUM_FIELDS, 3), dtype="<u4")
     cw[:, :, 0] = _HEX4[hexv >> np.uint32(16)]
     cw[:, :, 1] = _HEX4[hexv & np.uint32(0xFFFF)]
     cw[:, :, 2] = 9
-    cb = cw.view(np.uint8).reshape(n, NUM_CAT, 12)[:, :, :9].copy()
+    cb = cw.view(np.uint8).reshape(n, NUM_FIELDS, 12)[:, :, :9].copy()
     cb[:, -1, 8] = 10
-    ck = np.empty((n, NUM_CAT, 9), dtype=bool)
+    ck = np.empty((n, NUM_FIELDS, 9), dtype=bool)
     ck[:, :, :8] = ~cmiss[:, :, None]
     ck[:, :, 8] = True
     lab = np.empty((n, 2), dtype=np.uint8)

@@ -2,8 +2,10 @@
 
     mpirun -np 2 --bind-to none python -m mpi4py -m hvctr train --config run.toml --merge.every_k_steps=8
 
-Each subcommand is ``(help, add_arguments, run)``; ``run(args, overrides)`` returns an exit
-code. Config overrides are the ``--section.key=value`` flags argparse did not consume.
+Each subcommand is a module with ``add_arguments(parser)`` and ``run(args, overrides)`` (an
+exit code). Only the module of the command being run is imported, when its arguments are
+added: ``hvctr config``, ``topo`` and ``plan`` never load torch (a test holds them to that).
+Config overrides are the ``--section.key=value`` flags argparse did not consume.
 """
 
 from __future__ import annotations
@@ -20,17 +22,29 @@ from hvctr.dist.world import AgreedError, abort_job
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("hvctr.train.cmd", "train a CTR model (under mpirun/srun: python -m mpi4py -m hvctr train ...)"),
     "eval": ("hvctr.train.eval_cmd", "evaluate a run's newest checkpoint on its validation split"),
-    "config": ("hvctr.config_cmd", "print the resolved configuration (defaults < file < flags) as TOML"),
+    "config": ("hvctr.config", "print the resolved configuration (defaults < file < flags) as TOML"),
     "topo": ("hvctr.topo.cmd", "discover the node's hardware map (TOML), or print the placement plan of its ranks"),
     "plan": ("hvctr.plan.cmd", "how much SSD, host and GPU memory a table needs per rank, bytes and time per step"),
-    "bench": ("hvctr.bench_suite", "run every benchmark: BENCHMARKS.md and its plots (--quick: 5 min; --calibrate: rates for plan)"),
+    "bench": ("bench.suite", "run every benchmark: BENCHMARKS.md and its plots (--quick: 5 min; --calibrate: rates for plan)"),
     "export": ("hvctr.offline.export", "write a run's model for serving: sorted key -> (w, w1) tables, dense tensors, manifest"),
     "score": ("hvctr.offline.score", "predict click probabilities for a Criteo file from an export alone"),
     "reshard": ("hvctr.offline.reshard", "rewrite a checkpoint for another number of ranks (moves whole buckets)"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_module(name: str):
+    module = COMMANDS[name][0]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if module.startswith("bench.") and e.name in ("bench", module):
+            raise SystemExit(f"hvctr {name}: the benchmarks (the bench/ package of the hvctr source checkout) "
+                             f"are not installed: run it from a checkout, e.g. `python -m hvctr {name}`") from None
+        raise
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with ``command``, that subcommand's arguments too (importing its module only)."""
     parser = argparse.ArgumentParser(
         prog="hvctr",
         description="Terabyte-scale CTR training: SSD/CPU/GPU embedding tiers, k-step Adam merging over Horovod.",
@@ -38,10 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hvctr {hvctr.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_) in COMMANDS.items():
+    for name, (_, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        importlib.import_module(module).add_arguments(p)
+        if name == command:
+            _command_module(name).add_arguments(p)
     return parser
+
+
+def _requested_command(argv: list[str]) -> str | None:
+    """The subcommand named in argv (its first word that is not an option), if any."""
+    for a in argv:
+        if not a.startswith("-"):
+            return a if a in COMMANDS else None
+    return None
 
 
 def _horovod_shut_down(e: BaseException | None) -> bool:
@@ -56,7 +79,7 @@ def _horovod_shut_down(e: BaseException | None) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    parser = build_parser(_requested_command(argv))
     args, rest = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
@@ -64,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0] and "=" in a)]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are --section.key=value)")
-    run: Callable[[argparse.Namespace, list[str]], int] = importlib.import_module(COMMANDS[args.command][0]).run
+    run: Callable[[argparse.Namespace, list[str]], int] = _command_module(args.command).run
     try:
         return run(args, rest)
     except ValueError as e:  # user errors: bad config, bad input; a message, not a traceback

@@ -374,3 +374,14 @@ def _validate(cfg: Config) -> None:
     _require(cfg.checkpoint.every_windows >= 0, "checkpoint.every_windows", "must be >= 0")
     _require(cfg.checkpoint.compact_every >= 1, "checkpoint.compact_every", "must be >= 1")
     _require(cfg.metrics.log_every_steps >= 1, "metrics.log_every_steps", "must be >= 1")
+
+
+# --- the ``hvctr config`` command: shows the configuration a run would use, and checks it ---
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", help="TOML file (see slurm/configs/)")
+
+
+def run(args, overrides: list[str]) -> int:
+    print(to_toml(load_config(args.config, overrides)), end="")
+    return 0

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+TEST_DATA = REPO / "tests" / "data"  # real Criteo rows the tests read (a clone alone has them)
 VENV_PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 
 # Environment for child mpirun jobs started by e2e tests (root, oversubscribed 2-core machine).

@@ -8,8 +8,8 @@
 
 Datasets are contiguous and uncompressed, so a server can binary-search the sorted keys or
 map them by file offset and build its own index. A key belongs to the file
-``bucket_owner[bucket(key)]`` (hvctr.keys); a key in no file is one training never stored:
-it reads its init row (hvctr.storage.row.init_rows with the manifest's seed and scale) or,
+``bucket_owner[bucket(key)]`` (hvctr.formats); a key in no file is one training never stored:
+it reads its init row (hvctr.formats.init_rows with the manifest's seed and scale) or,
 when admission is on (storage.admit_after > 1), the shared zero row, as the trainer's
 evaluation does. No pickle: HDF5 and JSON only.
 
@@ -27,9 +27,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hvctr.checkpoint import file_sha256, write_manifest
+from hvctr.train.checkpoint import file_sha256, write_manifest
 from hvctr.config import Config, load_config, to_dict
-from hvctr.log import get_logger
+from hvctr.dist.log import get_logger
 from hvctr.offline.reader import CheckpointReader
 
 log = get_logger(__name__)

@@ -3,7 +3,7 @@
     hvctr reshard --checkpoint runs/a --world-size 3 --out runs/b/checkpoints
     mpirun -np 3 ... hvctr train --config runs/a/config.toml --train.run_dir=runs/b --resume
 
-A key's owner is ``bucket_owner[bucket(key)]`` over 4096 virtual buckets (hvctr.keys), so a
+A key's owner is ``bucket_owner[bucket(key)]`` over 4096 virtual buckets (hvctr.formats), so a
 new world size needs a new bucket table, not a rehash of every key. The new table moves as
 few buckets as it can: every rank ends with 4096 // W2 buckets (or one more), and a bucket
 stays with its owner while that owner is below its share. Each new rank file then holds the
@@ -32,8 +32,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hvctr.checkpoint import FORMAT_VERSION, RowWriter, checkpoint_path, file_sha256, read_manifests, write_manifest
-from hvctr.keys import NUM_BUCKETS, owner_of
+from hvctr.train.checkpoint import FORMAT_VERSION, RowWriter, checkpoint_path, file_sha256, read_manifests, write_manifest
+from hvctr.formats import NUM_BUCKETS, owner_of
 from hvctr.offline.reader import CheckpointReader
 
 

@@ -30,15 +30,15 @@ import h5py
 import numpy as np
 import torch
 
-from data_prep.parse import parse_block
-from data_prep.sources import Unit, iter_blocks, open_sources
-from hvctr.checkpoint import file_sha256, read_manifest
+from hvctr.formats.lines import parse_block
+from hvctr.formats.sources import Unit, iter_blocks, open_sources
+from hvctr.train.checkpoint import file_sha256, read_manifest
 from hvctr.config import ModelArch, ModelConfig
-from hvctr.keys import owner_of
-from hvctr.metrics import EvalAccumulator
+from hvctr.formats import owner_of
+from hvctr.train.metrics import EvalAccumulator
 from hvctr.models import build_model
 from hvctr.offline.export import FORMAT, FORMAT_VERSION
-from hvctr.storage.row import RowLayout, init_rows
+from hvctr.formats import RowLayout, init_rows
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,13 +6,13 @@
   powers per row). Also the batch's gather of rows and the sum of its gradients per row.
 - ``dense``: the dense parameters use ``torch.optim.Adam`` (one global step); helpers read and
   write its moments in a fixed parameter order, for the k-step merger.
-- the hot loops run as C kernels (``hvctr.native``, compiled once on first use, loaded with
+- the hot loops run as C kernels (``hvctr.kernels.native``, compiled once on first use, loaded with
   ctypes); the torch code is the reference and the fallback where no compiler is found.
 """
 
-from hvctr.optim.dense import adam_state_names, get_adam_states, set_adam_states, adam_step_count
+from hvctr.optim.dense import get_adam_states, set_adam_states, adam_step_count
 from hvctr.optim.sparse_adam import (apply_adam_to_rows, batch_unique, gather_rows, row_width, dim_of_width,
                                      sparse_adam_step, sum_rows_grad)
 
-__all__ = ["adam_state_names", "adam_step_count", "apply_adam_to_rows", "batch_unique", "dim_of_width",
+__all__ = ["adam_step_count", "apply_adam_to_rows", "batch_unique", "dim_of_width",
            "gather_rows", "get_adam_states", "row_width", "set_adam_states", "sparse_adam_step", "sum_rows_grad"]

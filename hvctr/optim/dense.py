@@ -11,19 +11,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hvctr.config import MergeStates
-
-_STATE_NAMES = {
-    MergeStates.PARAMS: (),
-    MergeStates.PARAMS_V: ("exp_avg_sq",),
-    MergeStates.PARAMS_M_V: ("exp_avg", "exp_avg_sq"),
-}
-
-
-def adam_state_names(states: MergeStates) -> tuple[str, ...]:
-    """The torch Adam state keys that ``merge.states`` merges besides the parameters."""
-    return _STATE_NAMES[states]
-
 
 def _params(opt: torch.optim.Optimizer) -> list[Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]

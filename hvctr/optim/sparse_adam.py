@@ -1,7 +1,7 @@
 """Lazy Adam on embedding rows with per-row step counts, and the batch's sparse gradient path.
 
-A row is DESIGN.md's ``[w (D) | w1 (1) | m (D+1) | v (D+1) | step (1)]``, float32, width
-``3 * (D + 1) + 1``; its first ``c = D + 1`` columns are the model. One training step of the
+A row is hvctr.formats.RowLayout: ``[w (D) | w1 (1) | m (D+1) | v (D+1) | step (1)]``, float32;
+its first ``c = D + 1`` columns are the model. One training step of the
 sparse side, with ``pos [B, F]`` the batch's positions in the working set ``rows [U, width]``:
 
     uniq, inverse = batch_unique(pos)            # can be computed ahead, with the window
@@ -12,7 +12,7 @@ sparse side, with ``pos [B, F]`` the batch's positions in the working set ``rows
 
 Lazy: a row's m and v decay only on the steps that touch it, and its bias correction uses its
 own step count, so a row first touched at global step 1000 takes a full-size first step. On
-the CPU the three loops run as C kernels (hvctr.native); elsewhere, or without a C
+the CPU the three loops run as C kernels (hvctr.kernels.native); elsewhere, or without a C
 compiler, as torch ops. The torch form is the reference the kernels are tested against.
 """
 
@@ -23,18 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hvctr import native as _native
+from hvctr.formats import RowLayout
+from hvctr.kernels import native as _native
 
 
 def row_width(dim: int) -> int:
     """Float32 columns of a row for embedding dimension ``dim``: w, w1, m, v and step."""
-    return 3 * (dim + 1) + 1
+    return RowLayout(dim).width
 
 
 def dim_of_width(width: int) -> int:
-    if width < 4 or (width - 1) % 3:
-        raise ValueError(f"a row of {width} columns is not [w (D) | w1 | m (D+1) | v (D+1) | step]")
-    return (width - 1) // 3 - 1
+    return RowLayout.of_width(width).dim
 
 
 def _native_ok(*tensors: Tensor) -> bool:
@@ -49,8 +48,8 @@ def _check_index(index: Tensor, bound: int, what: str) -> None:
 
 def _adam_rows_torch_(r: Tensor, g: Tensor, lr: float, beta1: float, beta2: float, eps: float) -> None:
     """Adam on every row of ``r`` [n, width] in place, with each row's own step: the reference."""
-    c = g.shape[1]
-    p, m, v, step = r[:, :c], r[:, c:2 * c], r[:, 2 * c:3 * c], r[:, 3 * c]
+    lay = RowLayout.of_width(r.shape[1])
+    p, m, v, step = r[:, lay.model], r[:, lay.m], r[:, lay.v], r[:, lay.step]
     step.add_(1)
     s64 = step.double()
     # Bias corrections in float64 per row, as torch.optim.Adam computes them in Python floats.
@@ -105,7 +104,7 @@ def batch_unique(pos: Tensor) -> tuple[Tensor, Tensor]:
 
     Positions index a working set, so they are small non-negative integers: on the CPU a bitmap
     over [0, max + 1) finds them in one pass (4x to 20x faster than torch.unique's sort,
-    python -m hvctr.optim.bench); the result is the same as
+    python -m bench.sparse); the result is the same as
     ``torch.unique(pos, sorted=True, return_inverse=True)``.
     """
     pos = pos.long().contiguous()

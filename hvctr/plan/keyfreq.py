@@ -164,7 +164,7 @@ def _split_distinct(data_dir: str, records: list[dict]) -> float:
     """Distinct keys of the whole split: the union of its shards' HyperLogLog sketches."""
     import h5py
 
-    from data_prep.pieces import KeySketch
+    from hvctr.formats import KeySketch
 
     union = KeySketch()
     for rec in records:
@@ -175,7 +175,7 @@ def _split_distinct(data_dir: str, records: list[dict]) -> float:
 
 def data_curve(data_dir: str, sample_rows: int = 1 << 20) -> KeyCurve:
     """D(n) measured on the train split of a data_prep directory (see the module docstring)."""
-    from hvctr.data import load_manifest
+    from hvctr.train.data import load_manifest
 
     manifest = load_manifest(data_dir)
     records = manifest["shards"]["train"]

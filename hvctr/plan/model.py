@@ -40,16 +40,15 @@ import math
 from dataclasses import dataclass, field
 
 from hvctr.config import Compression, MergeMode, MergeStates, ModelArch, ModelConfig
-from hvctr.keys import NUM_BUCKETS
+from hvctr.formats import NUM_BUCKETS, SAMPLE_BYTES
 from hvctr.plan.keyfreq import KeyCurve
 from hvctr.plan.rates import Rates
 from hvctr.storage.cache import entries_for_budget
-from hvctr.storage.row import RowLayout
+from hvctr.formats import RowLayout
 from hvctr.storage.shard import INDEX_DTYPE, META_DTYPE, num_slots_for
 
 KEY_BYTES = 8
 FITS, NO_FIT, UNKNOWN, INFO = "fits", "DOES NOT FIT", "unknown", "info"
-DATA_ROW_BYTES = 4 + 4 * 13 + 8 * 26  # label, dense, keys: hvctr.data.ROW_BYTES for Criteo's 13 + 26
 # A rank's memory besides the cache and the window buffers: Python, torch, h5py, Horovod and
 # its fusion buffer. Measured RSS of a CPU rank right after start-up on this machine type: an
 # assumption elsewhere.
@@ -357,7 +356,7 @@ def _stretch(job: Job, node: NodeInfo, rates: Rates) -> float:
 def _host_bytes_per_rank(job: Job, u: float, params: int) -> float:
     """Cache budget + working set and its messages + two windows of data + dense state + base."""
     row = RowLayout(job.dim).row_bytes
-    window_data = 2 * job.k * job.batch_size_per_rank * (DATA_ROW_BYTES + 8 * job.model.num_fields)
+    window_data = 2 * job.k * job.batch_size_per_rank * (SAMPLE_BYTES + 8 * job.model.num_fields)
     return job.cpu_cache_bytes + 3 * u * row + window_data + 8 * params * 4 + BASE_RANK_BYTES
 
 

@@ -32,7 +32,7 @@ DOC = {
     "sparse_keys_per_s": "gather of a batch's rows + per-row gradient sum, batch keys/s",
     "sparse_rows_per_s": "lazy Adam on embedding rows, rows/s",
     "step_overhead_s": "per training step besides the above (loss, Python, allocation)",
-    "unique_keys_per_s": "distinct keys with inverse, one hash pass (hvctr.keys.unique_in_order: windows, routing, merge), keys/s",
+    "unique_keys_per_s": "distinct keys with inverse, one hash pass (hvctr.formats.unique_in_order: windows, routing, merge), keys/s",
     "cache_rows_per_s": "store reads answered by the CPU cache, rows/s",
     "cache_write_rows_per_s": "store writes into the CPU cache, rows/s",
     "new_rows_per_s": "rows created: init from the key, shard index insert, cache insert, rows/s",

@@ -1,9 +1,9 @@
 """The embedding table's three tiers on each rank and the exchange of rows between ranks.
 
-Owns: the row layout and its init (row.py), the SSD shard file (shard.py), the CPU cache
-(cache.py), one rank's store (store.py: shard + cache + admission), the exchange between
-ranks (exchange.py: ShardedTable) and their benchmark (bench.py). A key belongs to the rank
-``bucket_owner[bucket(key)]`` (hvctr.keys); only that rank ever stores it.
+Owns: the SSD shard file (shard.py), the CPU cache (cache.py), one rank's store (store.py:
+shard + cache + admission) and the exchange between ranks (exchange.py: ShardedTable). The
+row layout and its init are hvctr.formats'. A key belongs to the rank
+``bucket_owner[bucket(key)]`` (hvctr.formats); only that rank ever stores it.
 
 ::
 
@@ -35,12 +35,10 @@ never stored; rows not written for storage.ttl_passes passes are dropped by comp
 """
 
 from hvctr.storage.cache import RowCache
-from hvctr.storage.row import RowLayout, default_row, init_rows
 from hvctr.storage.shard import Shard, ShardFullError
 from hvctr.storage.store import EmbeddingStore, shard_path
 
-__all__ = ["EmbeddingStore", "RowCache", "RowLayout", "Shard", "ShardFullError", "ShardedTable",
-           "default_row", "init_rows", "shard_path"]
+__all__ = ["EmbeddingStore", "RowCache", "Shard", "ShardFullError", "ShardedTable", "shard_path"]
 
 
 def __getattr__(name: str):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from hvctr.config import CachePolicy
-from hvctr.keys import EMPTY_KEY, mix64
+from hvctr.formats import EMPTY_KEY, mix64
 from hvctr.storage import _probe
 
 _HASH_SALT = np.uint64(0x8CB92BA72F3D8DD7)

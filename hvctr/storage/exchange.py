@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 import torch
 
-from hvctr import native as _native
-from hvctr.keys import hash_table_bits, owner_of, unique_in_order
+from hvctr.kernels import native as _native
+from hvctr.formats import owner_of
+from hvctr.kernels import hash_table_bits, unique_in_order
 from hvctr.storage.store import EmbeddingStore, _unique_keys
 
 if TYPE_CHECKING:

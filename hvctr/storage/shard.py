@@ -2,10 +2,10 @@
 
 Layout (every dataset contiguous, uncompressed, allocated at creation and 4 KiB aligned)::
 
-    /bucket_owner  int32 [4096]            owner rank of each virtual bucket (hvctr.keys)
+    /bucket_owner  int32 [4096]            owner rank of each virtual bucket (hvctr.formats)
     /index         {key u64, row i64} [S]  open addressing, S = capacity / max_load_factor
                                            rounded up to whole 4 KiB blocks (256 entries)
-    /rows          float32 [capacity, W]   the rows (hvctr.storage.row), dense, in insertion order
+    /rows          float32 [capacity, W]   the rows (hvctr.formats), dense, in insertion order
     /row_meta      {key u64, last_seen i4, generation i4} [capacity]
                                            key of each row, the pass it was last written in
                                            (TTL) and the checkpoint generation (deltas)
@@ -45,9 +45,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hvctr.keys import EMPTY_KEY, NUM_BUCKETS, mix64
+from hvctr.formats import EMPTY_KEY, NUM_BUCKETS, mix64
 from hvctr.storage import _probe
-from hvctr.storage.row import RowLayout
+from hvctr.formats import RowLayout
 
 FORMAT_VERSION = 1
 BLOCK_BYTES = 4096

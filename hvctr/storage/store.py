@@ -7,7 +7,7 @@ go of it between chunks so a push from the main thread never waits for a whole p
 Reads go cache -> shard -> new row. A new key is admitted once it has been counted
 ``storage.admit_after`` times (online, in a count-min sketch); until then it reads the shared
 default row (zeros) and its writes are dropped. An admitted new key gets its init row from
-the key (hvctr.storage.row), a shard position at once (so a full shard fails at the read that
+the key (hvctr.formats), a shard position at once (so a full shard fails at the read that
 needs the room) and a dirty cache entry; the row reaches the shard on eviction or flush.
 """
 
@@ -23,9 +23,10 @@ from typing import Iterator
 import numpy as np
 
 from hvctr.config import StorageConfig
-from hvctr.keys import default_bucket_owner, mix64, owner_of, unique_in_order
+from hvctr.formats import default_bucket_owner, mix64, owner_of
+from hvctr.kernels import unique_in_order
 from hvctr.storage.cache import RowCache
-from hvctr.storage.row import RowLayout, default_row, init_rows
+from hvctr.formats import RowLayout, default_row, init_rows
 from hvctr.storage.shard import Shard
 
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
@@ -95,7 +96,7 @@ class EmbeddingStore:
 
     ``EmbeddingStore(cfg, path, rank=0, world_size=1, bucket_owner=None, create=None)``:
     create None opens ``path`` if it exists, else creates it; True always creates a fresh
-    shard; False requires it to exist. bucket_owner defaults to hvctr.keys' round robin.
+    shard; False requires it to exist. bucket_owner defaults to hvctr.formats' round robin.
     """
 
     def __init__(self, cfg: StorageConfig, path: str | Path, rank: int = 0, world_size: int = 1,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hvctr.config import Config, write_toml
-from hvctr.log import get_logger, setup_logging
+from hvctr.dist.log import get_logger, setup_logging
 from hvctr.train.preflight import preflight
 from hvctr.train.stop import StopRequest
 

@@ -1,6 +1,6 @@
 """The trainer's view of the data: batches per epoch agreed over ranks, windows, eval batches.
 
-Rank r reads the data shards s with s % W == r (hvctr.data.ShardReader). Ranks hold different
+Rank r reads the data shards s with s % W == r (hvctr.train.data.ShardReader). Ranks hold different
 numbers of rows, and every step is a collective, so the batches per epoch are the minimum over
 ranks; a rank's batches past it (and its partial last batch) are dropped, counted and reported.
 Evaluation reads every row, the partial last batch included.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from hvctr.config import DataConfig
-from hvctr.data import NUM_DENSE, NUM_FIELDS, ShardReader
+from hvctr.train.data import NUM_DENSE, NUM_FIELDS, ShardReader
 from hvctr.dist.world import AgreedError
-from hvctr.log import get_logger
+from hvctr.dist.log import get_logger
 
 log = get_logger(__name__)
 

@@ -65,7 +65,7 @@ def check_inputs(cfg: Config, rank: int, size: int, resume: bool, init_from: str
 
 
 def _check_data(cfg: Config, rank: int, size: int, eval_only: bool) -> None:
-    from hvctr.data import ShardReader
+    from hvctr.train.data import ShardReader
 
     d = cfg.data
     if not d.train_dir:
@@ -81,7 +81,7 @@ def _check_data(cfg: Config, rank: int, size: int, eval_only: bool) -> None:
 
 
 def _check_checkpoints(cfg: Config, run_dir: Path, size: int, resume: bool) -> None:
-    from hvctr.checkpoint import read_manifests
+    from hvctr.train.checkpoint import read_manifests
 
     directory = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     manifests = read_manifests(directory) if directory.is_dir() else []

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hvctr.checkpoint import CheckpointManager, TrainState, checkpoint_path, locate
+from hvctr.train.checkpoint import CheckpointManager, TrainState, checkpoint_path, locate
 from hvctr.config import Config, MergeMode
 from hvctr.dist.world import AgreedError
-from hvctr.keys import default_bucket_owner
-from hvctr.log import get_logger
-from hvctr.metrics import EvalAccumulator
+from hvctr.formats import default_bucket_owner
+from hvctr.dist.log import get_logger
+from hvctr.train.metrics import EvalAccumulator
 from hvctr.models import build_model
 from hvctr.optim import (adam_step_count, apply_adam_to_rows, gather_rows, get_adam_states, set_adam_states,
                          sparse_adam_step, sum_rows_grad)

@@ -4,7 +4,7 @@ The window's unique keys are the working set: pulled from their owners before th
 first step, pushed back at its end. Every batch key is remapped to its position in that set,
 so the k steps gather rows with one index operation and never look at a key again.
 
-One pass over the candidate batches' keys (hvctr.keys.unique_in_order: a hash table in C,
+One pass over the candidate batches' keys (hvctr.formats.unique_in_order: a hash table in C,
 numpy's sort where no compiler is found) gives the distinct keys in order of first occurrence. That
 order answers both questions the prefetch thread asks: how many leading batches fit the
 working-set bound (the distinct keys of a prefix are a prefix of that list), and, once ranks
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvctr.keys import unique_in_order
+from hvctr.kernels import unique_in_order
 
 
 @dataclass

@@ -12,11 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from data_prep import schema
+from hvctr import formats
 from data_prep.synth import generate
-from tests.conftest import SHARED_DATA, VENV_PY, mpi_env
+from tests.conftest import TEST_DATA, VENV_PY, mpi_env
 
-SAMPLE = SHARED_DATA / "criteo_sample_400.tsv"
+SAMPLE = TEST_DATA / "criteo_sample_400.tsv"
 
 
 def criteo_cmd(np_: int, *args) -> list[str]:
@@ -37,7 +37,7 @@ def manifest(out: Path) -> dict:
 
 
 def checksums(m: dict) -> dict:
-    return {split: [r["checksums"] for r in m["shards"][split]] for split in schema.SPLITS}
+    return {split: [r["checksums"] for r in m["shards"][split]] for split in formats.SPLITS}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def mixed_inputs(tmp_path_factory) -> list[Path]:
     (root / "b.tsv.gz").write_bytes(gzip.compress((root / "b.tsv").read_bytes(), compresslevel=1))
     generate(10_000, seed=23, out=str(root / "c.tsv"))
     with open(root / "c.tsv") as src, open(root / "c.csv", "w") as dst:
-        dst.write(",".join(schema.COLUMN_NAMES) + "\n")
+        dst.write(",".join(formats.COLUMN_NAMES) + "\n")
         for line in src:
             f = line.rstrip("\n").split("\t")
             dst.write(",".join(x + ".0" if 1 <= c <= 13 and x else x for c, x in enumerate(f)) + "\n")

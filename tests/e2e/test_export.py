@@ -18,10 +18,10 @@ import h5py
 import numpy as np
 import pytest
 
-from data_prep.parse import RowFormat, parse_block
-from hvctr.checkpoint import read_manifest, write_manifest
+from hvctr.formats.lines import RowFormat, parse_block
+from hvctr.train.checkpoint import read_manifest, write_manifest
 from hvctr.cli import main
-from hvctr.keys import owner_of
+from hvctr.formats import owner_of
 from tests.conftest import REPO, VENV_PY, mpi_env
 from tests.e2e.days import make_day
 from tests.e2e.helpers import final_model, train

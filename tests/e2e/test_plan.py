@@ -82,7 +82,7 @@ def test_plan_user_errors():
 
 def test_calibration_writes_a_rates_file_plan_reads(tmp_path):
     rates = tmp_path / "rates.toml"
-    r = subprocess.run([VENV_PY, "-m", "hvctr.plan.calibrate", "--ranks", "1", "--quick", "--rates", str(rates),
+    r = subprocess.run([VENV_PY, "-m", "bench.calibrate", "--ranks", "1", "--quick", "--rates", str(rates),
                         "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO,
                        env=mpi_env())
     assert r.returncode == 0, r.stderr

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hvctr.cli import main
-from hvctr.keys import NUM_BUCKETS, default_bucket_owner, owner_of
+from hvctr.formats import NUM_BUCKETS, default_bucket_owner, owner_of
 from hvctr.offline.reshard import plan_buckets
 from tests.e2e.helpers import final_model, make_dataset, train
 

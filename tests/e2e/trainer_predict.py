@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_prep.parse import RowFormat, parse_block
+from hvctr.formats.lines import RowFormat, parse_block
 from hvctr.config import load_config, replace
 from hvctr.train.cmd import _start
 from hvctr.train.trainer import Trainer

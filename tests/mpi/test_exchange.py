@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from hvctr.config import CachePolicy, StorageConfig
-from hvctr.keys import default_bucket_owner, owner_of
-from hvctr.storage import EmbeddingStore, RowLayout, ShardedTable, init_rows, shard_path
+from hvctr.formats import default_bucket_owner, owner_of
+from hvctr.formats import RowLayout, init_rows
+from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.storage.cache import ENTRY_OVERHEAD_BYTES
 
 DIM = 4

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hvctr.config import MergeMode, StorageConfig
-from hvctr.keys import default_bucket_owner
+from hvctr.formats import default_bucket_owner
 from hvctr.plan.model import sparse_bytes_per_window
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 

@@ -3,9 +3,9 @@ import json
 import numpy as np
 import torch
 
-from hvctr import baseline
-from hvctr.baseline import Split, map_keys, run_ceiling, run_plain
-from hvctr.keys import mix64
+from bench import baseline
+from bench.baseline import Split, map_keys, run_ceiling, run_plain
+from hvctr.formats import mix64
 
 
 def _synthetic(n, seed, fields=4, vocab=50):

@@ -3,7 +3,9 @@ it takes minutes; ``hvctr bench --quick`` is run by hand)."""
 
 import pytest
 
-from hvctr import bench_plots, bench_suite
+from bench import plots as bench_plots
+
+from bench import suite as bench_suite
 from hvctr.cli import main
 
 
@@ -11,7 +13,7 @@ def test_dry_run_lists_every_part_in_order(capsys):
     assert main(["bench", "--dry-run", "--work-dir", "/tmp/w"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out] == list(bench_suite.PARTS)
-    assert "-m hvctr.train.bench --work-dir /tmp/w/training" in out[4]
+    assert "-m bench.train --work-dir /tmp/w/training" in out[4]
 
 
 def test_quick_uses_the_quick_arguments(capsys):

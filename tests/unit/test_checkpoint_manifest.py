@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hvctr.checkpoint import MANIFEST_CHECKSUM, read_manifest, read_manifests, write_manifest
+from hvctr.train.checkpoint import MANIFEST_CHECKSUM, read_manifest, read_manifests, write_manifest
 
 
 def _write(directory, seq, step):

@@ -11,14 +11,14 @@ import h5py
 import numpy as np
 import pytest
 
-from data_prep import schema
+from hvctr import formats
 from data_prep.criteo import Job, run_job
 from data_prep.mpi import Comm
-from data_prep.parse import RowFormat, parse_block
+from hvctr.formats.lines import RowFormat, parse_block
 from data_prep.pieces import KeySketch, piece_shard_counts
-from data_prep.sources import Unit, assign_units, iter_blocks, make_units, open_sources
+from hvctr.formats.sources import Unit, assign_units, iter_blocks, make_units, open_sources
 from data_prep.synth import generate
-from hvctr.keys import mix64
+from hvctr.formats import mix64
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def run(inputs, out: Path, shards=3, **kw) -> dict:
 
 
 def checksums(m: dict) -> dict:
-    return {split: [r["checksums"] for r in m["shards"][split]] for split in schema.SPLITS}
+    return {split: [r["checksums"] for r in m["shards"][split]] for split in formats.SPLITS}
 
 
 def read_split(out: Path, m: dict, split: str) -> list[dict[str, np.ndarray]]:
@@ -86,7 +86,7 @@ def test_units_cover_every_line_once(tmp_path, chunk):
 
 
 def test_csv_header_and_gzip_are_handled(tmp_path):
-    header = ",".join(schema.COLUMN_NAMES)
+    header = ",".join(formats.COLUMN_NAMES)
     (tmp_path / "a.csv").write_text(header + "\n" + "\n".join("1" + "," * 39 for _ in range(5)) + "\n")
     with gzip.open(tmp_path / "b.tsv.gz", "wt") as f:
         f.write("0" + "\t" * 39 + "\n")
@@ -126,7 +126,7 @@ def test_shard_of_a_row_is_its_global_line_index_mod_s(tmp_path, tsv):
     assert t["label_rate"] == pytest.approx(whole.labels.mean())
     assert list(t["missing"].values()) == whole.missing.tolist()
     exact = [len(np.unique(whole.keys[:, f])) for f in range(26)]
-    est = [t["distinct_keys_estimate"][c] for c in schema.CAT_NAMES]
+    est = [t["distinct_keys_estimate"][c] for c in formats.CAT_NAMES]
     assert all(abs(e - x) <= max(3, 0.06 * x) for e, x in zip(est, exact))
     assert not (tmp_path / "out" / "_work").exists()
 
@@ -144,7 +144,7 @@ def test_gzip_and_deepctr_csv_give_the_same_shards(tmp_path, tsv):
     gz.write_bytes(gzip.compress(tsv.read_bytes()))
     csv = tmp_path / "in.csv"
     with open(tsv) as src, open(csv, "w") as dst:
-        dst.write(",".join(schema.COLUMN_NAMES) + "\n")
+        dst.write(",".join(formats.COLUMN_NAMES) + "\n")
         for line in src:
             f = line.rstrip("\n").split("\t")
             dst.write(",".join(x + ".0" if 1 <= c <= 13 and x else x for c, x in enumerate(f)) + "\n")
@@ -177,7 +177,7 @@ def test_clear_errors(tmp_path, tsv):
     (tmp_path / "empty.tsv").write_bytes(b"")
     with pytest.raises(ValueError, match="empty.tsv: empty input"):
         run([tmp_path / "empty.tsv"], tmp_path / "o2")
-    (tmp_path / "head.csv").write_text(",".join(schema.COLUMN_NAMES) + "\n")
+    (tmp_path / "head.csv").write_text(",".join(formats.COLUMN_NAMES) + "\n")
     with pytest.raises(ValueError, match="head.csv: empty input"):
         run([tmp_path / "head.csv"], tmp_path / "o3")
     (tmp_path / "file").write_text("")

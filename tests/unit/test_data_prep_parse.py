@@ -9,12 +9,12 @@ import re
 import numpy as np
 import pytest
 
-from data_prep import schema
-from data_prep.parse import RowFormat, parse_block
-from hvctr.keys import EMPTY_KEY, EMPTY_KEY_REMAP, mix64
-from tests.conftest import SHARED_DATA
+from hvctr import formats
+from hvctr.formats.lines import RowFormat, parse_block
+from hvctr.formats import EMPTY_KEY, EMPTY_KEY_REMAP, mix64
+from tests.conftest import TEST_DATA
 
-SAMPLE = SHARED_DATA / "criteo_sample_400.tsv"
+SAMPLE = TEST_DATA / "criteo_sample_400.tsv"
 _INT = re.compile(r"-?[0-9]+(\.0*)?")
 
 INT_MENU = ["", "", "0", "7", "-1", "-12", "42", "123456789012345", "1234567890123456", "99999999",
@@ -52,7 +52,7 @@ def ref_parse(text: str, fmt: RowFormat):
             bad.append(i)
             continue
         dense = [math.log1p(max(v, 0)) for v in ints[1:]]
-        keys = [schema.key_of(j, f[14 + j]) for j in range(26)]
+        keys = [formats.key_of(j, f[14 + j]) for j in range(26)]
         rows.append((ints[0], dense, keys, i))
     return rows, bad
 
@@ -83,16 +83,16 @@ def random_lines(n: int, seed: int, p_bad: float = 0.15) -> list[str]:
 def test_key_rule_is_designs():
     # DESIGN.md: mix64((field << 56) ^ int(hex, 16)); the reference key_of must say the same
     ref = lambda f, v: int(mix64(np.array([((f << 56) ^ v) & (2**64 - 1)], dtype=np.uint64))[0])
-    assert schema.key_of(0, "05db9164") == ref(0, 0x05DB9164)
-    assert schema.key_of(25, "ABCdef12") == ref(25, 0xABCDEF12)
-    assert schema.key_of(3, "ffffffffffffffff") == ref(3, 2**64 - 1)
+    assert formats.key_of(0, "05db9164") == ref(0, 0x05DB9164)
+    assert formats.key_of(25, "ABCdef12") == ref(25, 0xABCDEF12)
+    assert formats.key_of(3, "ffffffffffffffff") == ref(3, 2**64 - 1)
     # missing values: one key per field, none equal to another field's
-    assert len(set(schema.MISSING_KEYS.tolist())) == 26
-    assert schema.key_of(7, "") == int(schema.MISSING_KEYS[7])
+    assert len(set(formats.MISSING_KEYS.tolist())) == 26
+    assert formats.key_of(7, "") == int(formats.MISSING_KEYS[7])
     # non-hex: a string hash of (field, value), different per field
-    assert schema.key_of(1, "hello") != schema.key_of(2, "hello")
+    assert formats.key_of(1, "hello") != formats.key_of(2, "hello")
     # the reserved empty marker never appears
-    keys = schema.hex_keys(np.zeros(1, dtype=np.uint64), np.array([0], dtype=np.uint64))
+    keys = formats.hex_keys(np.zeros(1, dtype=np.uint64), np.array([0], dtype=np.uint64))
     assert keys[0] != EMPTY_KEY and EMPTY_KEY_REMAP != EMPTY_KEY
 
 
@@ -150,7 +150,7 @@ def test_block_edges_crlf_and_missing_final_newline():
 def test_deepctr_csv_with_header_in_any_order_equals_tsv():
     lines = random_lines(400, seed=4, p_bad=0.0)
     tsv = parse_block(("\n".join(lines) + "\n").encode(), RowFormat.tsv())
-    names = list(schema.COLUMN_NAMES)
+    names = list(formats.COLUMN_NAMES)
     order = list(range(40))
     random.Random(5).shuffle(order)
     header = ",".join(["Id"] + [names[c].upper() if c % 3 == 0 else names[c] for c in order])
@@ -169,6 +169,6 @@ def test_deepctr_csv_with_header_in_any_order_equals_tsv():
 
 def test_csv_header_must_name_every_column():
     with pytest.raises(ValueError, match="C26"):
-        RowFormat.from_header(",".join(schema.COLUMN_NAMES[:-1]).encode(), where="x.csv:1")
+        RowFormat.from_header(",".join(formats.COLUMN_NAMES[:-1]).encode(), where="x.csv:1")
     with pytest.raises(ValueError, match="x.csv:1"):
-        RowFormat.from_header(b"label,label," + ",".join(schema.COLUMN_NAMES[1:]).encode(), where="x.csv:1")
+        RowFormat.from_header(b"label,label," + ",".join(formats.COLUMN_NAMES[1:]).encode(), where="x.csv:1")

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from data_prep import schema, synth
-from data_prep.parse import RowFormat, parse_block
+from data_prep import synth
+
+from hvctr import formats
+from hvctr.formats.lines import RowFormat, parse_block
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +24,8 @@ def test_tsv_parses_back_to_what_was_drawn(model):
     np.testing.assert_array_equal(blk.labels, labels)
     want = np.where(dmiss, 0.0, np.log1p(np.maximum(ints, 0))).astype(np.float32)
     np.testing.assert_array_equal(blk.dense, want)
-    keys = schema.hex_keys(np.arange(26, dtype=np.uint64)[None, :], hexv.astype(np.uint64))
-    keys[cmiss] = np.broadcast_to(schema.MISSING_KEYS, keys.shape)[cmiss]
+    keys = formats.hex_keys(np.arange(26, dtype=np.uint64)[None, :], hexv.astype(np.uint64))
+    keys[cmiss] = np.broadcast_to(formats.MISSING_KEYS, keys.shape)[cmiss]
     np.testing.assert_array_equal(blk.keys, keys)
     assert (ints[:, 1] < 0).any() and dmiss.any() and cmiss.any()  # I2 negatives, missing values
     truth = np.array(synth.format_truth(p).decode().split(), dtype=np.float64)

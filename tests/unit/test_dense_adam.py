@@ -1,7 +1,6 @@
 import torch
 
-from hvctr.config import MergeStates
-from hvctr.optim import adam_state_names, adam_step_count, get_adam_states, set_adam_states
+from hvctr.optim import adam_step_count, get_adam_states, set_adam_states
 
 
 def _model_and_opt(seed=0):
@@ -16,12 +15,6 @@ def _train(model, opt, steps, seed=1):
         opt.zero_grad()
         model(torch.randn(8, 4, generator=g)).square().mean().backward()
         opt.step()
-
-
-def test_state_names_per_merge_setting():
-    assert adam_state_names(MergeStates.PARAMS) == ()
-    assert adam_state_names(MergeStates.PARAMS_V) == ("exp_avg_sq",)
-    assert adam_state_names(MergeStates.PARAMS_M_V) == ("exp_avg", "exp_avg_sq")
 
 
 def test_states_come_in_parameter_order_and_are_the_live_tensors():

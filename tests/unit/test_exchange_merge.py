@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from hvctr.keys import unique_in_order
-from hvctr import native as _native
+from hvctr.kernels import unique_in_order
+from hvctr.kernels import native as _native
 from hvctr.storage.exchange import _pack, _unpack, merge_by_key, merge_messages
 
 

@@ -1,6 +1,6 @@
 import numpy as np
 
-from hvctr.keys import EMPTY_KEY, NUM_BUCKETS, bucket, default_bucket_owner, mix64, owner_of, remap_empty
+from hvctr.formats import EMPTY_KEY, NUM_BUCKETS, bucket, default_bucket_owner, mix64, owner_of, remap_empty
 
 
 def test_mix64_known_values_and_bijection():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hvctr.config import Compression, MergeConfig, MergeMode, MergeStates, ModelArch, ModelConfig
-from hvctr.keys import NUM_BUCKETS, default_bucket_owner
+from hvctr.formats import NUM_BUCKETS, default_bucket_owner
 from hvctr.models import build_model
 from hvctr.plan.keyfreq import KeyCurve, zipf_curve, zipf_distinct
 from hvctr.plan.model import (FITS, NO_FIT, UNKNOWN, Job, NodeInfo, dense_flops_per_sample, dense_params,

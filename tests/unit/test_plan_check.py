@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hvctr.plan.check import measured, render, windows_of
+from bench.plan_check import measured, render, windows_of
 
 
 def test_windows_of_a_run():

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hvctr.config import StorageConfig
-from hvctr.keys import default_bucket_owner
+from hvctr.formats import default_bucket_owner
 from hvctr.storage import EmbeddingStore
 from hvctr.storage.shard import Shard
 from hvctr.topo.bind import check_map_matches_machine

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from hvctr.optim import (apply_adam_to_rows, batch_unique, dim_of_width, gather_rows, row_width, sparse_adam_step,
                          sum_rows_grad)
-from hvctr import native as _native
+from hvctr.kernels import native as _native
 
 LR, B1, B2, EPS = 1e-2, 0.9, 0.999, 1e-8
 PATHS = ["native", "torch"]
@@ -175,7 +175,7 @@ def test_sum_rows_grad_brute_force():
 def test_without_a_compiler_the_torch_path_runs(tmp_path):
     code = (
         "import torch\n"
-        "from hvctr import native as _native\n"
+        "from hvctr.kernels import native as _native\n"
         "from hvctr.optim import sparse_adam_step, row_width\n"
         "assert _native.lib() is None\n"
         "rows = torch.zeros(4, row_width(2))\n"
@@ -190,13 +190,13 @@ def test_without_a_compiler_the_torch_path_runs(tmp_path):
 
 
 def test_sparse_path_bench_runs_and_reports_both_paths(capsys, tmp_path):
-    from hvctr.optim import bench
+    from bench import sparse as bench
     md = tmp_path / "B.md"
     md.write_text("# Benchmarks\n\n## Sparse path\n\nold figures\n\n## Other\n\nkept\n")
     assert bench.main(["--repeats", "1", "--window", "2", "--batch-size", "256", "--dim", "4", "--write", str(md)]) == 0
     text = md.read_text()
     assert "old figures" not in text and "kept" in text and "| **sparse path / MLP step** |" in text
-    assert "`python -m hvctr.optim.bench --repeats 1 --window 2 --batch-size 256 --dim 4`" in text
+    assert "`python -m bench.sparse --repeats 1 --window 2 --batch-size 256 --dim 4`" in text
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [x.get("path") for x in lines] == [None, "native", "torch"]
     assert all(x["total_ms"] > 0 and x["mlp_step_ms"] > 0 for x in lines[1:])

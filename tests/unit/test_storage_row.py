@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hvctr.storage.row import RowLayout, default_row, init_rows
+from hvctr.formats import RowLayout, default_row, init_rows
 
 M64 = (1 << 64) - 1
 

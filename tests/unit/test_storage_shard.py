@@ -8,8 +8,8 @@ import h5py
 import numpy as np
 import pytest
 
-from hvctr.keys import EMPTY_KEY, default_bucket_owner, mix64
-from hvctr.storage.row import RowLayout
+from hvctr.formats import EMPTY_KEY, default_bucket_owner, mix64
+from hvctr.formats import RowLayout
 from hvctr.storage import shard as shard_mod
 from hvctr.storage.shard import BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullError, file_system_type, pwrite_runs
 from tests.conftest import VENV_PY, REPO

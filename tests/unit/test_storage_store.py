@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from hvctr.config import CachePolicy, StorageConfig
-from hvctr.storage import EmbeddingStore, RowLayout, init_rows
+from hvctr.formats import RowLayout, init_rows
+from hvctr.storage import EmbeddingStore
 from hvctr.storage.cache import ENTRY_OVERHEAD_BYTES
 
 DIM = 4

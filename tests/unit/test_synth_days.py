@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from data_prep import synth
-from hvctr.keys import mix64
+from hvctr.formats import mix64
 
 
 def _hashes(m: synth.Model, n: int = 20_000) -> np.ndarray:

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from hvctr import native as _native
+from hvctr.kernels import native as _native
 from hvctr.train.window import build_window, fitting_prefix, index_keys
 
 

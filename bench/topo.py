@@ -1,6 +1,6 @@
 """What binding changes for two ranks on one node: pinned vs unpinned vs packed, side by side.
 
-    python -m hvctr.topo.bench --map slurm/hwmaps/vm-2cpu.toml [--write BENCHMARKS.md]
+    python -m bench.topo --map slurm/hwmaps/vm-2cpu.toml [--write BENCHMARKS.md]
 
 Two worker processes (the two ranks of a node) run the same kernel at once:
 
@@ -104,7 +104,7 @@ ITERS_SCALE = {"gather": 1, "triad": 1, "compute": 400}  # a matmul call is shor
 def _pair(mode: str, kernel: str, hwmap: str, mib: int, iters: int) -> dict:
     """Both workers' bytes over the span from the first start to the last end: the pair's rate."""
     with tempfile.TemporaryDirectory() as sync:
-        procs = [subprocess.Popen([sys.executable, "-m", "hvctr.topo.bench", "--worker", mode, kernel, str(r),
+        procs = [subprocess.Popen([sys.executable, "-m", "bench.topo", "--worker", mode, kernel, str(r),
                                    hwmap, str(mib), str(iters), sync], stdout=subprocess.PIPE, text=True,
                                   env={**os.environ, **_ONE_THREAD})
                  for r in range(2)]
@@ -224,14 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         mode, kernel, rank, hwmap, mib, iters, sync = argv[1:8]
         _worker(mode, kernel, int(rank), hwmap, int(mib), int(iters), sync)
         return 0
-    p = argparse.ArgumentParser(prog="python -m hvctr.topo.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.topo", description=__doc__.split("\n")[0])
     p.add_argument("--map", default="", help="hardware map (default: discover this machine)")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--mib", type=int, default=256, help="table and triad size per worker")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--write", metavar="MD", help="also write the '## Placement' section of this markdown file")
     args = p.parse_args(argv)
-    from hvctr.bench_report import machine_line, write_section
+    from bench.report import machine_line, write_section
 
     machine = machine_line()  # before the run: its load average is the one at the start
     res = _measure(args)
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(res['runs'][(kernel, 'unpinned')]):.2f} {KERNELS[kernel][0]}")
     if args.write:
         kept = [a for a in argv if not a.startswith("--write") and a != args.write]
-        shown = " ".join(["python -m hvctr.topo.bench", *kept])
+        shown = " ".join(["python -m bench.topo", *kept])
         write_section(args.write, "## Placement", section(res, args, shown, machine))
     return 0
 

@@ -41,8 +41,8 @@ import h5py
 import numpy as np
 
 from hvctr.dist.world import AgreedError, group_errors, raise_agreed
-from hvctr.keys import default_bucket_owner
-from hvctr.log import get_logger
+from hvctr.formats import default_bucket_owner
+from hvctr.dist.log import get_logger
 from hvctr.storage.shard import check_free_space
 
 if TYPE_CHECKING:

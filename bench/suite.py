@@ -1,23 +1,29 @@
-"""``hvctr bench``: every benchmark, BENCHMARKS.md and its plots (bench/*.png), from scratch.
+"""``hvctr bench``: every benchmark, a BENCHMARKS.md and its plots, from scratch.
 
     hvctr bench                # the whole suite: about 25 minutes on this machine (2 cores)
     hvctr bench --quick        # smaller data, fewer repeats: under 5 minutes
-    hvctr bench --calibrate    # only this machine's rates for hvctr plan (bench/rates.toml)
+    hvctr bench --calibrate    # only this machine's rates for hvctr plan (into the work directory)
+    hvctr bench --write-benchmarks   # refresh the checkout's BENCHMARKS.md, bench/*.png, rates
+
+Results go to the work directory (``--work-dir``, default a fresh temporary one): its
+BENCHMARKS.md, plots/ and rates.toml. Only ``--write-benchmarks``, used when the project
+refreshes its reference figures, writes the checkout's BENCHMARKS.md, bench/*.png and the
+planner's default rates (hvctr/plan/rates.toml); a user's run never replaces them.
     hvctr bench --only training,planner --dry-run
     hvctr bench --plots-only --work-dir DIR   # the plots again, from an earlier run's results
 
 Each part is one benchmark module run as its own process (its threads, its MPI jobs), in
 this order; each replaces its own "## " section of BENCHMARKS.md:
 
-    preprocessing  data_prep.bench         TSV -> shards, 1 vs 2 processes
-    store          hvctr.storage.bench     shard reads, cache lookups, policies, 2-rank pull + push
-    sparse         hvctr.optim.bench       the sparse path of a step against the MLP step
-    placement      hvctr.topo.bench        pinned vs unpinned vs packed ranks
-    training       hvctr.train.bench       hvctr vs plain PyTorch vs the MLP ceiling, k sweep, fp16, out of core
-    planner        hvctr.plan.check        hvctr plan's predictions against runs (writes bench/rates.toml)
+    preprocessing  bench.preprocess         TSV -> shards, 1 vs 2 processes
+    store          bench.storage     shard reads, cache lookups, policies, 2-rank pull + push
+    sparse         bench.sparse       the sparse path of a step against the MLP step
+    placement      bench.topo        pinned vs unpinned vs packed ranks
+    training       bench.train       hvctr vs plain PyTorch vs the MLP ceiling, k sweep, fp16, out of core
+    planner        bench.plan_check        hvctr plan's predictions against runs (writes the rates)
 
 A module that prints its figures instead of writing a section gets one written here: its
-command, the machine, and what it printed. Then the plots (hvctr.bench_plots) and a "## Plots"
+command, the machine, and what it printed. Then the plots (bench.plots) and a "## Plots"
 section with the wall time of every part. A part that fails is reported and the rest run;
 the exit code is then 1.
 """
@@ -35,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hvctr.bench_report import machine_line, write_section
+from bench.report import machine_line, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 VM_MAP = "slurm/hwmaps/vm-2cpu.toml"
@@ -52,24 +58,37 @@ class Part:
 
 
 PARTS: dict[str, Part] = {
-    "preprocessing": Part("data_prep.bench", "## Preprocessing",
+    "preprocessing": Part("bench.preprocess", "## Preprocessing",
                           ("--rows", "2000000", "--repeat", "2", "--benchmarks", "{md}"),
                           ("--rows", "200000", "--repeat", "1", "--benchmarks", "{md}"), True, 900),
-    "store": Part("hvctr.storage.bench", "## Embedding store", ("--write", "{md}"),
+    "store": Part("bench.storage", "## Embedding store", ("--write", "{md}"),
                   ("--repeats", "3", "--shard-rows", "200000", "--policy-keys", "50000", "--windows", "4",
                    "--write", "{md}"), True, 900),
-    "sparse": Part("hvctr.optim.bench", "## Sparse path", ("--repeats", "15", "--write", "{md}"),
+    "sparse": Part("bench.sparse", "## Sparse path", ("--repeats", "15", "--write", "{md}"),
                    ("--repeats", "3", "--write", "{md}"), True, 600),
-    "placement": Part("hvctr.topo.bench", "## Placement", ("--map", VM_MAP, "--rounds", "5", "--write", "{md}"),
+    "placement": Part("bench.topo", "## Placement", ("--map", VM_MAP, "--rounds", "5", "--write", "{md}"),
                       ("--map", VM_MAP, "--rounds", "1", "--mib", "64", "--iters", "3", "--write", "{md}"), True, 900),
-    "training": Part("hvctr.train.bench", "## Training", ("--work-dir", "{work}/training", "--benchmarks", "{md}"),
+    "training": Part("bench.train", "## Training", ("--work-dir", "{work}/training", "--benchmarks", "{md}"),
                      ("--quick", "--work-dir", "{work}/training", "--benchmarks", "{md}"), True, 2400),
-    "planner": Part("hvctr.plan.check", "## Planner: predicted vs measured",
+    "planner": Part("bench.plan_check", "## Planner: predicted vs measured",
                     ("--work-dir", "{work}/planner", "--write", "{md}", "--rates-out", "{rates}"),
                     ("--rows", "100000", "--ranks", "1,2", "--modes", "sync,8", "--work-dir", "{work}/planner",
                      "--write", "{md}", "--rates-out", "{rates}"), True, 1800),
 }
 PLOTS_SECTION = "## Plots"
+# Where --write-benchmarks puts the results (relative to the checkout): the project's reference.
+CHECKOUT = {"benchmarks": "BENCHMARKS.md", "plots_dir": "bench", "rates": "hvctr/plan/rates.toml"}
+
+
+def outputs(args: argparse.Namespace, work: Path) -> dict[str, Path]:
+    """The files this run writes: the flags given, else the checkout's (--write-benchmarks),
+    else the work directory's. Nothing in the checkout is written unless asked for."""
+    here = {"benchmarks": work / "BENCHMARKS.md", "plots_dir": work / "plots", "rates": work / "rates.toml"}
+    out = {}
+    for key, default in here.items():
+        given = getattr(args, key)
+        out[key] = Path(given).resolve() if given else (REPO / CHECKOUT[key] if args.write_benchmarks else default)
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,10 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only measure this machine's rates for hvctr plan, into --rates")
     p.add_argument("--only", default="", help=f"comma-separated parts to run (of {', '.join(PARTS)})")
     p.add_argument("--skip", default="", help="comma-separated parts not to run")
-    p.add_argument("--benchmarks", default=str(REPO / "BENCHMARKS.md"), help="the markdown file to regenerate")
-    p.add_argument("--plots-dir", default=str(REPO / "bench"), help="where the PNG plots go")
-    p.add_argument("--rates", default=str(REPO / "bench" / "rates.toml"), help="the rates file calibration writes")
-    p.add_argument("--work-dir", help="scratch directory (default: a fresh temporary one, kept: logs and results)")
+    p.add_argument("--work-dir", help="scratch and results directory (default: a fresh temporary one, kept)")
+    p.add_argument("--write-benchmarks", action="store_true",
+                   help=f"write the checkout's reference figures: {CHECKOUT['benchmarks']}, plots in "
+                        f"{CHECKOUT['plots_dir']}/, the planner's default rates {CHECKOUT['rates']}")
+    p.add_argument("--benchmarks", help="the markdown file to write (default: <work-dir>/BENCHMARKS.md)")
+    p.add_argument("--plots-dir", help="where the PNG plots go (default: <work-dir>/plots)")
+    p.add_argument("--rates", help="the rates file calibration writes (default: <work-dir>/rates.toml)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--plots-only", action="store_true",
                    help="run no benchmark: draw the plots from the results in --work-dir (training/results.json, "
@@ -144,7 +166,7 @@ def _drop_run_dirs(work: Path) -> None:
 def _cache_sweep(quick: bool) -> tuple[list[dict], list[tuple[float, float]], int]:
     """Hit rates of LRU and LFU on Zipf(1.1) keys over cache sizes, and the planner's model."""
     from hvctr.plan.keyfreq import zipf_curve
-    from hvctr.storage.bench import bench_policy
+    from bench.storage import bench_policy
 
     n_keys, batch = (50_000, 2048) if quick else (200_000, 2048)
     fracs = [0.01, 0.05, 0.2] if quick else [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5]
@@ -155,7 +177,7 @@ def _cache_sweep(quick: bool) -> tuple[list[dict], list[tuple[float, float]], in
 
 
 def make_plots(work: Path, plots: Path, quick: bool) -> list[str]:
-    from hvctr import bench_plots
+    from bench import plots as bench_plots
 
     plots.mkdir(parents=True, exist_ok=True)
     made = []
@@ -205,21 +227,23 @@ def order_sections(md: Path) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ValueError(f"hvctr bench takes no config overrides, got {overrides}")
-    if args.calibrate:
-        from hvctr.plan.calibrate import calibrate, default_ranks
-
-        if args.dry_run:
-            print(f"calibrate {default_ranks()} ranks -> {args.rates}")
-            return 0
-        rf = calibrate(args.rates, default_ranks(), args.quick)
-        print(f"wrote {args.rates}: {rf.source}")
-        return 0
     names = [] if args.plots_only else selected(args.only, args.skip)
     if args.plots_only and not args.work_dir:
         raise ValueError("--plots-only needs --work-dir: the directory of an earlier run's results")
-    md = Path(args.benchmarks).resolve()
     work = Path(args.work_dir or ("WORK_DIR" if args.dry_run else tempfile.mkdtemp(prefix="hvctr-bench-"))).resolve()
-    cmds = {n: command(PARTS[n], args.quick, str(md), str(work), str(Path(args.rates).resolve())) for n in names}
+    out = outputs(args, work)
+    md, plots_dir, rates = out["benchmarks"], out["plots_dir"], out["rates"]
+    if args.calibrate:
+        from bench.calibrate import calibrate, default_ranks
+
+        if args.dry_run:
+            print(f"calibrate {default_ranks()} ranks -> {rates}")
+            return 0
+        work.mkdir(parents=True, exist_ok=True)
+        rf = calibrate(str(rates), default_ranks(), args.quick)
+        print(f"wrote {rates}: {rf.source}; use it with hvctr plan --rates {rates}")
+        return 0
+    cmds = {n: command(PARTS[n], args.quick, str(md), str(work), str(rates)) for n in names}
     if args.dry_run:
         for n, c in cmds.items():
             print(f"{n}: {' '.join(c)}")
@@ -229,20 +253,20 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         md.write_text("# Benchmarks\n")
     times = {n: run_part(n, c, md, work / f"{n}.log") for n, c in cmds.items()}
     t0 = time.time()
-    made = make_plots(work, Path(args.plots_dir), args.quick)
+    made = make_plots(work, plots_dir, args.quick)
     times["plots"] = (True, time.time() - t0)
-    argv = (["--quick"] if args.quick else []) + ([f"--only {args.only}"] if args.only else []) + (
+    argv = (["--quick"] if args.quick else []) + (["--write-benchmarks"] if args.write_benchmarks else []) + ([f"--only {args.only}"] if args.only else []) + (
         [f"--skip {args.skip}"] if args.skip else []) + ([f"--plots-only --work-dir {work}"] if args.plots_only else [])
     source = ("Drawn from the results of earlier runs (the Training and Planner sections' runs); the cache "
               "hit rates are measured here." if args.plots_only else "")
-    write_section(md, PLOTS_SECTION, plots_section(made, Path(args.plots_dir), md, times, argv, source))
+    write_section(md, PLOTS_SECTION, plots_section(made, plots_dir, md, times, argv, source))
     order_sections(md)
-    print(f"[bench] BENCHMARKS.md and {len(made)} plots written; work directory {work}")
+    print(f"[bench] {md} and {len(made)} plots in {plots_dir} written; work directory {work}")
     return 0 if all(ok for ok, _ in times.values()) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hvctr.bench_suite", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__.splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv), [])
 

@@ -3,14 +3,14 @@
 - ``plain``: plain single-process PyTorch, everything in RAM: the keys of the training set
   mapped once, up front, to rows of ONE ``nn.Embedding`` (sparse gradients, SparseAdam), the
   same DNN as hvctr (hvctr.models) with Adam, ``--threads`` torch threads (2 by default). It
-  reports training samples/s and validation AUC, logloss and COPC (hvctr.metrics).
+  reports training samples/s and validation AUC, logloss and COPC (hvctr.train.metrics).
 - ``ceiling``: the MLP alone on random inputs (forward, backward, Adam), run as
   ``--ceiling-procs`` processes of 1 thread at once (what 2 ranks could reach on this machine
   if embeddings, data and merges cost nothing), and as one process of ``--threads`` threads.
 
 Every result is one JSON line, so a benchmark driver can put them beside hvctr's figures:
 
-    python -m hvctr.baseline --data runs/data --runs plain,ceiling --out runs/baseline.jsonl
+    python -m bench.baseline --data runs/data --runs plain,ceiling --out runs/baseline.jsonl
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hvctr.data import ShardReader
-from hvctr.metrics import EvalAccumulator
+from hvctr.train.data import ShardReader
+from hvctr.formats import NUM_DENSE
+from hvctr.train.metrics import EvalAccumulator
 from hvctr.models import DNN, MLP
 
-NUM_DENSE = 13
 
 
 class Split(NamedTuple):
@@ -151,7 +151,7 @@ def run_ceiling(procs: int, *, in_features: int, hidden: Sequence[int], batch_si
 
     Each worker imports torch and warms up, says ready, and starts timing when all are ready.
     """
-    cmd = [sys.executable, "-m", "hvctr.baseline", "--ceiling-worker", f"--in-features={in_features}",
+    cmd = [sys.executable, "-m", "bench.baseline", "--ceiling-worker", f"--in-features={in_features}",
            f"--hidden={','.join(map(str, hidden))}", f"--batch-size={batch_size}", f"--ceiling-steps={steps}",
            "--threads=1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hvctr.baseline", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.baseline", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results = run(args)
         except ValueError as e:
-            print(f"hvctr.baseline: error: {e}", file=sys.stderr)
+            print(f"bench.baseline: error: {e}", file=sys.stderr)
             return 2
     finally:
         torch.set_num_threads(threads)

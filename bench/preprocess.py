@@ -1,6 +1,6 @@
 """Preprocessing throughput, measured side by side in one run, written into BENCHMARKS.md.
 
-    python -m data_prep.bench --rows 2000000            # ~1 minute on 2 cores
+    python -m bench.preprocess --rows 2000000            # ~1 minute on 2 cores
 
 1. ``data_prep synth`` writes the input (its rate is the generator's figure).
 2. ``data_prep criteo`` turns it into shards with 1 process (no mpirun) and with 2 (mpirun
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from data_prep import synth
 from data_prep.__main__ import keep_freed_memory
-from hvctr.bench_report import write_section
+from bench.report import write_section
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Preprocessing"
@@ -125,18 +125,18 @@ Bayes-optimal AUC of {res['synth_auc']:.4f} (expected, from its true probabiliti
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_prep.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.preprocess", description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=2_000_000)
     p.add_argument("--shards", type=int, default=8)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--work-dir", help="scratch directory (default: a temporary one, removed after)")
-    p.add_argument("--benchmarks", default=str(REPO / "BENCHMARKS.md"), help="file to write the section into")
+    p.add_argument("--benchmarks", default="", help="markdown file to write the section into (default: none)")
     p.add_argument("--no-write", action="store_true", help="print the section only")
     args = p.parse_args(argv)
     keep_freed_memory()  # as the data_prep command does: the generator runs in this process
     exe = Path(sys.executable)
     exe_name = str(exe.relative_to(REPO)) if exe.is_relative_to(REPO) else "python"
-    command = f"{exe_name} -m data_prep.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"{exe_name} -m bench.preprocess " + " ".join(sys.argv[1:] if argv is None else argv)
     if os.nice(0) != 0:
         command = f"nice -n {os.nice(0)} {command}"
     if _autogroup_nice() != 0:  # how it was started: its own session, that session's priority
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(res, command.strip())
     print(text)
     print(json.dumps({k: v for k, v in res.items()}, indent=1))
-    if not args.no_write:
+    if args.benchmarks and not args.no_write:
         write_section(args.benchmarks, SECTION, text)
     return 0
 

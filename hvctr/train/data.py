@@ -3,16 +3,16 @@
 A data directory holds ``manifest.json`` and, per split ("train", "valid"), S shard files
 ``<split>-<s:05d>.h5`` with ``labels`` float32 [N], ``dense`` float32 [N, 13], ``keys`` uint64
 [N, 26]. Rank r of W reads the shards s with s % W == r, in shard order, as one stream of rows
-cut into batches of ``batch_size``; the last partial batch is not yielded.
+cut into batches of ``batch_size``; the last partial batch is not trained on.
 
     >>> reader = ShardReader("data/criteo", "train", rank=0, world_size=2, batch_size=4096)
     >>> steps = reader.num_batches                 # the trainer agrees on min over ranks
-    >>> for labels, dense, keys in reader.batches(start=0, stop=steps):
-    ...     labels.shape, dense.shape, keys.shape  # (4096,) (4096, 13) (4096, 26)
+    >>> labels, dense, keys = reader.read_rows(0, 8 * 4096)   # a window of 8 batches
+    >>> labels.shape, dense.shape, keys.shape      # (32768,) (32768, 13) (32768, 26)
 
 Reads are large contiguous slices (``read_bytes`` at a time, across shard boundaries), never
 per row; ``read_rows(lo, hi)`` reads any row range of the stream (a window, evaluation's short
-last batch). ``start`` resumes at a batch index. ``verify=True`` checks every opened shard
+last batch). ``verify=True`` checks every opened shard
 against the manifest's sha256 checksums first. Problems (no manifest, an unfinished data_prep run, a
 missing or corrupt shard, more ranks than shards) are a ValueError that names the path.
 """
@@ -22,17 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import h5py
 import numpy as np
 
-FORMAT = "hvctr-data"
-SUPPORTED_VERSIONS = (1,)
-SPLITS = ("train", "valid")
-NUM_DENSE = 13
-NUM_FIELDS = 26
-ROW_BYTES = 4 + 4 * NUM_DENSE + 8 * NUM_FIELDS
+from hvctr.formats import FORMAT, NUM_DENSE, NUM_FIELDS, SAMPLE_BYTES, SPLITS, SUPPORTED_VERSIONS
 
 
 class Batch(NamedTuple):
@@ -92,7 +87,7 @@ class ShardReader:
         self._files = [self._open(p, r) for p, r in zip(self.paths, self.records)]
         self.shard_rows = np.array([r["rows"] for r in self.records], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(self.shard_rows)])
-        self.rows_per_read = max(batch_size, (read_bytes // ROW_BYTES) // batch_size * batch_size)
+        self.rows_per_read = max(batch_size, (read_bytes // SAMPLE_BYTES) // batch_size * batch_size)
         if verify:
             self.verify()
 
@@ -133,20 +128,6 @@ class ShardReader:
                 if got != want:
                     raise ValueError(f"{path}: dataset {name!r} does not match its checksum in "
                                      f"manifest.json ({got} != {want}): the file is corrupt or from another run")
-
-    def batches(self, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
-        """Batches start .. stop-1 (stop defaults to num_batches). Each batch owns its arrays
-        (views of a slab read for it and its neighbours; nothing is reused later)."""
-        stop = self.num_batches if stop is None else stop
-        if not 0 <= start <= stop <= self.num_batches:
-            raise ValueError(f"batch range [{start}, {stop}) is outside [0, {self.num_batches}]")
-        per_slab = self.rows_per_read // self.batch_size
-        for first in range(start, stop, per_slab):
-            n = min(per_slab, stop - first)
-            labels, dense, keys = self.read_rows(first * self.batch_size, (first + n) * self.batch_size)
-            for i in range(n):
-                sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
-                yield Batch(labels[sl], dense[sl], keys[sl])
 
     def read_rows(self, lo: int, hi: int) -> Batch:
         """Rows [lo, hi) of this rank's stream (labels, dense, keys): one slice read per shard it crosses."""

@@ -1,6 +1,6 @@
 """Measures the sparse path of one training step beside the MLP step it must stay small against.
 
-    python -m hvctr.optim.bench --threads 1 --repeats 15 [--write BENCHMARKS.md]
+    python -m bench.sparse --threads 1 --repeats 15 [--write BENCHMARKS.md]
 
 One window of ``--window`` batches of 4096 samples x 26 fields, keys drawn per field from a
 power law (Zipf, exponent 1.1) over Criteo Kaggle's field cardinalities; the working set is
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hvctr.models import DNN
-from hvctr import native as _native
+from hvctr.kernels import native as _native
 from hvctr.optim.sparse_adam import batch_unique, gather_rows, row_width, sparse_adam_step, sum_rows_grad
 
 # Distinct values per categorical field of Criteo Kaggle (C1..C26).
@@ -120,7 +120,7 @@ _WHAT = {"batch_unique": "batch_unique (positions -> unique rows + inverse)",
 
 def section(lines: list[dict], command: str) -> str:
     """The "## Sparse path" section of BENCHMARKS.md for these results."""
-    from hvctr.bench_report import machine_line  # noqa: PLC0415 (only the --write path needs it)
+    from bench.report import machine_line  # noqa: PLC0415 (only the --write path needs it)
 
     setup, native, ref = lines
     load = os.getloadavg()[0]
@@ -151,7 +151,7 @@ def section(lines: list[dict], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hvctr.optim.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.sparse", description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--window", type=int, default=8, help="batches per window (the working set's span)")
@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in lines:
         print(json.dumps(line), flush=True)
     if args.write:
-        from hvctr.bench_report import write_section  # noqa: PLC0415
+        from bench.report import write_section  # noqa: PLC0415
 
-        shown = " ".join(["python -m hvctr.optim.bench", *[a for a in (argv if argv is not None else sys.argv[1:])
+        shown = " ".join(["python -m bench.sparse", *[a for a in (argv if argv is not None else sys.argv[1:])
                                                             if not a.startswith("--write") and a != args.write]])
         write_section(args.write, "## Sparse path", section(lines, shown))
     return 0

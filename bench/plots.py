@@ -1,9 +1,9 @@
 """The PNG plots of BENCHMARKS.md, drawn from the results the benchmark modules leave behind.
 
 - ``k_sweep.png``: training samples/s and AUC against k, with sync, plain PyTorch and the
-  MLP-only ceiling as lines (hvctr.train.bench's results.json);
+  MLP-only ceiling as lines (bench.train's results.json);
 - ``cache_hit.png``: CPU cache hit rate against cache size for LRU and LFU with aging
-  (measured here on Zipf(1.1) keys, hvctr.storage.bench.bench_policy) and the planner's
+  (measured here on Zipf(1.1) keys, bench.storage.bench_policy) and the planner's
   ideal frequency cache on the same law (hvctr.plan.keyfreq);
 - ``time_split.png``: where a step's time goes: the training runs' split (compute, pull,
   merge, io) and the planner's prediction beside the measured split of its check runs.

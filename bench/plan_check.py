@@ -1,6 +1,6 @@
 """The planner against real runs on this machine: predicted vs measured bytes and step time.
 
-    python -m hvctr.plan.check [--rows 300000] [--ranks 1,2,3] [--modes sync,1,4,8] [--write BENCHMARKS.md]
+    python -m bench.plan_check [--rows 300000] [--ranks 1,2,3] [--modes sync,1,4,8] [--write BENCHMARKS.md]
 
 1. Synthetic data (data_prep synth + criteo, 8 shards), as the training benchmark makes it.
 2. This machine's rates, measured right before and right after each run with its number of
@@ -38,13 +38,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from hvctr.bench_report import machine_line, write_section
+from bench.report import machine_line, write_section
 from hvctr.config import MergeMode
 from hvctr.plan.keyfreq import KeyCurve, data_curve
 from hvctr.plan.model import Job, dense_payload_bytes, dense_params, plan, sparse_bytes_per_window
 from hvctr.plan.rates import Rates, RatesFile, load_rates, write_rates
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Planner: predicted vs measured"
 MAP = REPO / "slurm" / "hwmaps" / "vm-2cpu.toml"
 BYTES_BOUND, TIME_BOUND = 0.10, 0.30
@@ -95,7 +95,7 @@ def measured(run_dir: Path) -> dict[str, Any]:
 
 
 def _train(work: Path, data: Path, ranks: int, mode: str) -> Path:
-    from hvctr.train.bench import PY, _run
+    from bench.train import PY, _run
 
     run_dir = work / "runs" / f"w{ranks}-{mode}"
     if run_dir.exists():
@@ -109,7 +109,7 @@ def _train(work: Path, data: Path, ranks: int, mode: str) -> Path:
 
 def _measure_rates(work: Path, ranks: int, quick: bool) -> Rates:
     """One entry measured now with min(ranks, cpus) ranks side by side."""
-    from hvctr.plan.calibrate import run_ranks
+    from bench.calibrate import run_ranks
 
     r = min(ranks, os.cpu_count() or 1)
     return Rates(ranks_per_node=r, **run_ranks(r, work, quick)["rates"])
@@ -133,7 +133,7 @@ def check(work: Path, rows: int, ranks: list[int], modes: list[str], rates_path:
     from hvctr.config import load_config
     from hvctr.plan.cmd import job_from, node_info
     from hvctr.topo.hwmap import load_map
-    from hvctr.train.bench import make_data
+    from bench.train import make_data
 
     data, _ = make_data(work, rows)
     curve = data_curve(str(data))
@@ -162,7 +162,7 @@ def check(work: Path, rows: int, ranks: list[int], modes: list[str], rates_path:
                         "measured": m, "predicted": p, "load": [load, os.getloadavg()[0]]})
             last[rates.entries[0].ranks_per_node] = rates.entries[0]
             print(json.dumps(out[-1]), flush=True)
-    every = RatesFile(name=os.uname().nodename, source=f"measured by python -m hvctr.plan.check around its runs, "
+    every = RatesFile(name=os.uname().nodename, source=f"measured by python -m bench.plan_check around its runs, "
                                                        f"{time.strftime('%Y-%m-%d %H:%M')}",
                       entries=tuple(last[r] for r in sorted(last)))
     write_rates(every, work / "rates.toml")
@@ -214,7 +214,7 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hvctr.plan.check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.plan_check", description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=300_000)
     p.add_argument("--ranks", default="1,2,3")
     p.add_argument("--modes", default="sync,1,4,8", help="sync and values of k")
@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates-out", default="", help="also copy the rates measured here to this file")
     p.add_argument("--full-calibration", action="store_true", help="more repeats in each calibration")
     p.add_argument("--work-dir", help="scratch directory (kept; data is reused when present)")
-    p.add_argument("--write", default=str(REPO / "BENCHMARKS.md"), help="markdown file to update ('' : none)")
+    p.add_argument("--write", default="", help="markdown file to update (default: none)")
     args = p.parse_args(argv)
-    command = "python -m hvctr.plan.check " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.plan_check " + " ".join(sys.argv[1:] if argv is None else argv)
     machine = machine_line()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hvctr-plan-check-"))
     work.mkdir(parents=True, exist_ok=True)

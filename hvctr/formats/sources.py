@@ -20,7 +20,7 @@ from typing import Iterator
 
 import numpy as np
 
-from data_prep.parse import RowFormat
+from hvctr.formats.lines import RowFormat
 
 # Parse granularity: ~4k Criteo lines. 1 MiB keeps the parser's temporaries in cache: 3x faster
 # than 8 MiB on the 2-core machine type, where fresh large arrays also cost page faults.

@@ -1,6 +1,6 @@
 """Training benchmarks, measured side by side in one run, written into BENCHMARKS.md.
 
-    python -m hvctr.train.bench [--rows 2200000] [--repeats 3] [--quick]
+    python -m bench.train [--rows 2200000] [--repeats 3] [--quick]
 
 On one synthetic data set (data_prep synth: Bayes-optimal AUC known) and one model (DNN,
 26 fields x 16 dims, MLP 512-256-1, batch 4096 per rank, one epoch, 2 ranks):
@@ -25,15 +25,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hvctr.bench_report import machine_line, write_section
+from bench.report import machine_line, write_section
 from hvctr.config import MergeConfig, MergeStates
+from hvctr.formats import RowLayout
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
            "OMPI_MCA_rmaps_base_oversubscribe": "1"}
-ROW_BYTES = 4 * (3 * (16 + 1) + 1)  # dim 16: w, w1, m, v, step
+ROW_BYTES = RowLayout(16).row_bytes  # the benchmark's dim 16: w, w1, m, v, step
 DEFAULT_STATES = MergeConfig().states.value  # what runs without a --merge.states flag merge
 OTHER_STATES = tuple(s.value for s in MergeStates if s.value != DEFAULT_STATES)
 
@@ -84,7 +85,7 @@ def reference_run(work: Path, data: Path, which: str, tag: str) -> dict[str, Any
     out = work / f"{which}.{tag}.jsonl"
     if not out.exists():
         tmp = out.with_name(out.name + ".tmp")
-        _run([PY, "-m", "hvctr.baseline", "--data", str(data), "--runs", which, "--out", str(tmp)],
+        _run([PY, "-m", "bench.baseline", "--data", str(data), "--runs", which, "--out", str(tmp)],
              work / f"{which}.{tag}.log")
         tmp.replace(out)
     r = json.loads(out.read_text().splitlines()[-1])
@@ -179,17 +180,17 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hvctr.train.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.train", description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=2_200_000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="300k rows, one round")
     p.add_argument("--work-dir", help="scratch directory (kept; data is reused when present)")
-    p.add_argument("--benchmarks", default=str(REPO / "BENCHMARKS.md"))
+    p.add_argument("--benchmarks", default="", help="markdown file to write the Training section into (default: none)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.repeats = 300_000, 1
-    command = "python -m hvctr.train.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.train " + " ".join(sys.argv[1:] if argv is None else argv)
     machine = machine_line()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hvctr-train-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     (work / "results.json").write_text(json.dumps(res, indent=1))
     text = render(res, command, machine) + f"\nWall time of the benchmark: {(time.time() - t0) / 60:.1f} min.\n"
     print(text)
-    if not args.no_write:
+    if args.benchmarks and not args.no_write:
         write_section(args.benchmarks, "## Training", text)
     return 0
 

@@ -1,6 +1,6 @@
 """Measures this machine's rates for the planner (``hvctr bench --calibrate``).
 
-    python -m hvctr.plan.calibrate --rates bench/rates.toml [--ranks 1,2] [--quick]
+    python -m bench.calibrate --rates bench/rates.toml [--ranks 1,2] [--quick]
 
 For each count R in ``--ranks``, ``mpirun -np R`` starts the worker (this module with
 ``--worker``): every rank runs the same measurement at the same moment (a barrier before
@@ -13,7 +13,7 @@ is measured is hvctr's own code on the sizes training uses:
 - a whole local step of the default DNN on a batch of 4096 (as the trainer runs it), and its
   parts: the dense Adam step, gather_rows + sum_rows_grad per batch key, sparse_adam_step
   per row; the rest of the step, loss and Python included, is the dense FLOP rate;
-- distinct uint64 keys with inverse (hvctr.keys.unique_in_order); host memory copies;
+- distinct uint64 keys with inverse (hvctr.formats.unique_in_order); host memory copies;
 - an EmbeddingStore on a fresh shard: rows created, cache hits, cache writes, shard rows
   warmed from the page cache; and random rows of a larger shard warmed from the disk (its
   pages dropped from the page cache, the store reopened);
@@ -75,7 +75,7 @@ def compute_rates(reps: int) -> dict[str, float]:
     from hvctr.config import ModelConfig
     from hvctr.models import build_model
     from hvctr.optim import gather_rows, sparse_adam_step, sum_rows_grad
-    from hvctr.optim.bench import power_law_positions
+    from bench.sparse import power_law_positions
     from hvctr.plan.model import dense_flops_per_sample, dense_params
 
     cfg = ModelConfig()
@@ -114,7 +114,8 @@ def compute_rates(reps: int) -> dict[str, float]:
 
 
 def host_rates(reps: int) -> dict[str, float]:
-    from hvctr.keys import mix64, unique_in_order
+    from hvctr.formats import mix64
+    from hvctr.kernels import unique_in_order
 
     keys = mix64(np.arange(1 << 19, dtype=np.uint64) + np.uint64(12345 << 32))
     a = np.ones(4 << 20, dtype=np.float64)  # 32 MiB, beyond the last-level cache
@@ -135,7 +136,7 @@ def _drop_page_cache(path: str) -> None:
 def store_rates(work: str, batches: int) -> dict[str, float]:
     """Rows/s of the store's operations, each over ``batches`` batches of 2^15 fresh keys."""
     from hvctr.config import StorageConfig
-    from hvctr.keys import mix64, unique_in_order
+    from hvctr.formats import mix64
     from hvctr.storage import EmbeddingStore
 
     n = 1 << 15
@@ -171,9 +172,9 @@ def disk_rate(work: str, shard_rows: int, reads: int, repeats: int) -> dict[str,
     shard whose pages were dropped from the page cache: one 4 KiB page or more per row, as
     a window's rows are in a table far larger than the window."""
     from hvctr.config import StorageConfig
-    from hvctr.keys import default_bucket_owner, mix64
+    from hvctr.formats import default_bucket_owner, mix64
     from hvctr.storage import EmbeddingStore
-    from hvctr.storage.row import RowLayout
+    from hvctr.formats import RowLayout
     from hvctr.storage.shard import Shard
 
     path = os.path.join(work, "calibrate-disk.h5")
@@ -201,7 +202,7 @@ def disk_rate(work: str, shard_rows: int, reads: int, repeats: int) -> dict[str,
 
 
 def data_rate(work: str, reps: int) -> dict[str, float]:
-    """Rows/s of reading a data shard's three datasets in slices, as hvctr.data.ShardReader does."""
+    """Rows/s of reading a data shard's three datasets in slices, as hvctr.train.data.ShardReader does."""
     import h5py
 
     n, step = 1 << 17, 1 << 15
@@ -298,7 +299,7 @@ def worker(out: str, work: str, quick: bool) -> int:
 
 def run_ranks(ranks: int, work: Path, quick: bool, python: str = sys.executable) -> dict:
     out = work / f"rates-{ranks}.json"
-    cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", python, "-m", "mpi4py", "-m", "hvctr.plan.calibrate",
+    cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", python, "-m", "mpi4py", "-m", "bench.calibrate",
            "--worker", "--out", str(out), "--work-dir", str(work)] + (["--quick"] if quick else [])
     r = subprocess.run(cmd, env={**os.environ, **MPI_ENV}, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
@@ -331,8 +332,8 @@ def default_ranks() -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hvctr.plan.calibrate", description=__doc__.splitlines()[0])
-    p.add_argument("--rates", default="bench/rates.toml", help="rates file to write")
+    p = argparse.ArgumentParser(prog="python -m bench.calibrate", description=__doc__.splitlines()[0])
+    p.add_argument("--rates", required=True, help="rates file to write (hvctr/plan/rates.toml is the planner's default)")
     p.add_argument("--ranks", default="", help="rank counts to measure, e.g. 1,2 (default: 1 and the cpu count)")
     p.add_argument("--quick", action="store_true", help="fewer repeats")
     p.add_argument("--name", default="", help="the rates file's name (default: the host name)")

@@ -1,7 +1,7 @@
 """Benchmarks of the embedding store, as ratios measured side by side in one run.
 
-    python -m hvctr.storage.bench                   # all parts; prints JSON lines
-    python -m hvctr.storage.bench --write BENCHMARKS.md
+    python -m bench.storage                   # all parts; prints JSON lines
+    python -m bench.storage --write BENCHMARKS.md
 
 Parts:
 - ``shard``: reading 4096 random rows (sorted) of a shard, by position and by key, against
@@ -30,11 +30,11 @@ from typing import Callable
 
 import numpy as np
 
-from hvctr.bench_report import write_section
+from bench.report import write_section
 from hvctr.config import CachePolicy, StorageConfig
-from hvctr.keys import default_bucket_owner, mix64
+from hvctr.formats import default_bucket_owner, mix64
 from hvctr.storage.cache import ENTRY_OVERHEAD_BYTES, RowCache
-from hvctr.storage.row import RowLayout, init_rows
+from hvctr.formats import RowLayout, init_rows
 from hvctr.storage.shard import Shard
 
 SECTION = "## Embedding store"
@@ -258,7 +258,7 @@ def bench_exchange(workdir: str, windows: int, samples: int, cache_rows: int, ro
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_mpi_yield_when_idle="1", OMPI_MCA_btl_vader_single_copy_mechanism="none",
                OMPI_MCA_rmaps_base_oversubscribe="1")
-    cmd = ["mpirun", "-np", "2", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m", "hvctr.storage.bench",
+    cmd = ["mpirun", "-np", "2", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m", "bench.storage",
            "--exchange-worker", "--workdir", workdir, "--windows", str(windows), "--samples", str(samples),
            "--cache-rows", str(cache_rows), "--rows-per-rank", str(rows_per_rank)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -279,7 +279,7 @@ def bench_exchange(workdir: str, windows: int, samples: int, cache_rows: int, ro
 
 
 def _markdown(r: dict, argv: list[str]) -> str:
-    cmd = "python -m hvctr.storage.bench " + " ".join(argv)
+    cmd = "python -m bench.storage " + " ".join(argv)
     lines = [SECTION, "",
              f"Machine: {os.cpu_count()} cores, no GPU, {platform.machine()}, Python {platform.python_version()}; "
              f"one run, {time.strftime('%Y-%m-%d')}, load average {os.getloadavg()[0]:.1f} at its end (other "
@@ -338,7 +338,7 @@ def _markdown(r: dict, argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hvctr.storage.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.storage", description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="shard,cache,policy,exchange")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--shard-rows", type=int, default=1_000_000)

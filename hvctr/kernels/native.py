@@ -4,7 +4,7 @@ exchange's packing of rows into messages and merging of the copies an owner rece
 
 Why C: in torch, lazy Adam on the ~24k rows a batch of 4096 x 26 touches is a gather of the
 rows, a dozen elementwise ops on strided column views and a scatter back (about 5 ms on one
-core, measured by ``python -m hvctr.optim.bench``); one pass per row, prefetching rows ahead,
+core, measured by ``python -m bench.sparse``); one pass per row, prefetching rows ahead,
 takes about 1.2 ms, and the whole sparse path about 5% of the MLP step. The kernels are plain
 C called through ctypes (which releases the GIL), compiled with the system C compiler in about
 a second on first use and cached by a hash of the source and flags: no torch headers, no Python
@@ -25,7 +25,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from hvctr.log import get_logger
+from hvctr.dist.log import get_logger
+from hvctr.formats import c_header
 
 log = get_logger(__name__)
 
@@ -34,7 +35,7 @@ log = get_logger(__name__)
 # by nodes of different CPU types).
 _CFLAGS = ["-O3", "-std=c99", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
 
-_SRC = r"""
+_KERNELS = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -51,14 +52,14 @@ static inline void prefetch_row(const float *row, int64_t width, int for_write)
     if (for_write) __builtin_prefetch(q + width * 4 - 1, 1); else __builtin_prefetch(q + width * 4 - 1, 0);
 }
 
-/* Lazy Adam on rows[idx[i]], i < n. Row: [p (c) | m (c) | v (c) | step (1) | ...], c = D + 1.
+/* Lazy Adam on rows[idx[i]], i < n. Row: hvctr.formats' [p (c) | m (c) | v (c) | step (1)], c = D + 1.
    The same float32 arithmetic as torch.optim.Adam's single-tensor path, with per-row step. */
 void hv_sparse_adam(float *rows, int64_t width, const int64_t *idx, int64_t n,
                     const float *grad, int64_t c, double lr, double beta1, double beta2, float eps)
 {
     const float w1 = (float)(1.0 - beta1), b2 = (float)beta2, w2 = (float)(1.0 - beta2);
     for (int64_t i = 0; i < n; ++i) {
-        float *p = rows + idx[i] * width, *m = p + c, *v = p + 2 * c, *st = p + 3 * c;
+        float *p = rows + idx[i] * width, *m = p + HV_ROW_M(c), *v = p + HV_ROW_V(c), *st = p + HV_ROW_STEP(c);
         const float *g = grad + i * c;
         if (i + AHEAD < n) prefetch_row(rows + idx[i + AHEAD] * width, width, 1);
         const float step = *st + 1.0f;
@@ -195,6 +196,9 @@ void hv_gather_rows(const float *rows, int64_t width, const int64_t *pos, int64_
     }
 }
 """
+
+# The row layout and key constants come from hvctr.formats, generated, never restated here.
+_SRC = c_header() + _KERNELS
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

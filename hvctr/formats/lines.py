@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from data_prep import schema
-from data_prep.schema import NUM_CAT, NUM_COLS, NUM_DENSE
+from hvctr import formats
+from hvctr.formats import NUM_FIELDS, NUM_COLS, NUM_DENSE
 
 PAD = 16  # bytes before and after the data, so 16-byte right-aligned reads never leave the buffer
 _COL8 = np.arange(8, dtype=np.int64)
 _COL16 = np.arange(16, dtype=np.int64)
-_FIELDS = np.arange(NUM_CAT, dtype=np.uint64)
+_FIELDS = np.arange(NUM_FIELDS, dtype=np.uint64)
 _M8 = np.uint64(0x00FF00FF00FF00FF)
 _M16 = np.uint64(0x0000FFFF0000FFFF)
 _M32 = np.uint64(0x00000000FFFFFFFF)
@@ -65,7 +65,7 @@ class RowFormat:
         names = [c.strip().decode("ascii", "replace") for c in line.rstrip(b"\r\n").split(b",")]
         lower = [n.lower() for n in names]
         cols = []
-        for want in schema.COLUMN_NAMES:
+        for want in formats.COLUMN_NAMES:
             if lower.count(want.lower()) != 1:
                 raise ValueError(f"{where}: CSV header must name column {want!r} exactly once; "
                                  f"found {names}")
@@ -254,16 +254,16 @@ def _ints_16(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> tuple[np
 
 
 def _parse_cats(buf: np.ndarray, v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Feature keys [n, 26] of the categorical fields (see schema for the rule)."""
+    """Feature keys [n, 26] of the categorical fields (see hvctr.formats for the rule)."""
     n = ends.shape[0]
     ends, lengths = ends.ravel(), lengths.ravel()
     values, hexok = _hex_values(v64, ends, lengths)
-    keys = schema.hex_keys(_FIELDS, values.reshape(n, NUM_CAT))  # fields broadcast over rows
-    missing = lengths.reshape(n, NUM_CAT) == 0
-    keys = np.where(missing, schema.MISSING_KEYS, keys)
+    keys = formats.hex_keys(_FIELDS, values.reshape(n, NUM_FIELDS))  # fields broadcast over rows
+    missing = lengths.reshape(n, NUM_FIELDS) == 0
+    keys = np.where(missing, formats.MISSING_KEYS, keys)
     other = np.flatnonzero(~hexok & ~missing.ravel())
     if other.size:
-        field_of = (other % NUM_CAT).astype(np.uint64)
+        field_of = (other % NUM_FIELDS).astype(np.uint64)
         keys.reshape(-1)[other] = _string_keys(buf, ends[other], lengths[other], field_of)
     return keys
 
@@ -304,13 +304,13 @@ def _hex_width(v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray, width: in
 
 def _string_keys(buf: np.ndarray, ends: np.ndarray, lengths: np.ndarray, field_of: np.ndarray) -> np.ndarray:
     """FNV-1a of (field prefix, value bytes), one column of bytes at a time."""
-    h = schema.FIELD_FNV_STATE[field_of.astype(np.int64)].copy()
+    h = formats.FIELD_FNV_STATE[field_of.astype(np.int64)].copy()
     starts = ends - lengths
     for j in range(int(lengths.max())):
         active = j < lengths
         byte = buf[np.where(active, starts + j, 0)].astype(np.uint64)
-        h = np.where(active, (h ^ byte) * schema.FNV_PRIME, h)
-    return schema.string_keys(h)
+        h = np.where(active, (h ^ byte) * formats.FNV_PRIME, h)
+    return formats.string_keys(h)
 
 
 def _int_reasons(raw: bytes, starts: np.ndarray, ends: np.ndarray, rows: np.ndarray,
@@ -327,5 +327,5 @@ def _int_reasons(raw: bytes, starts: np.ndarray, ends: np.ndarray, rows: np.ndar
         text = raw[starts[k, col]:ends[k, col]].decode("ascii", "replace")
         if len(text) > 16:
             what = "longer than 16 characters"
-        out.append((int(rows[k]), f"{schema.COLUMN_NAMES[col]}: {what}: {text[:40]!r}"))
+        out.append((int(rows[k]), f"{formats.COLUMN_NAMES[col]}: {what}: {text[:40]!r}"))
     return out
