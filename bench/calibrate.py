@@ -1,6 +1,6 @@
 """Measures this machine's rates for the planner (``hvctr bench --calibrate``).
 
-    python -m bench.calibrate --rates bench/rates.toml [--ranks 1,2] [--quick]
+    python -m bench.calibrate --rates my-rates.toml [--ranks 1,2] [--quick]
 
 For each count R in ``--ranks``, ``mpirun -np R`` starts the worker (this module with
 ``--worker``): every rank runs the same measurement at the same moment (a barrier before

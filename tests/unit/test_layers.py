@@ -9,35 +9,13 @@ every import statement, those inside functions included, of every module.
 Then: the commands that only read configs and maps never load torch.
 """
 
-import ast
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from bench.architecture import imports_of, module_imports as modules
 from tests.conftest import REPO
-
-
-def imports_of(path: Path) -> set[str]:
-    """Every module named by an import in the file (absolute; relative ones resolved)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            names.add(base)
-            names.update(f"{base}.{a.name}" for a in node.names)  # `from hvctr import formats` names a module
-    return names
-
-
-def modules(package: str) -> dict[str, set[str]]:
-    return {str(p.relative_to(REPO)): imports_of(p) for p in sorted((REPO / package).rglob("*.py"))}
 
 
 def violations(package: str, forbidden) -> list[str]:
