@@ -13,8 +13,11 @@ in speed: one rank computes at a time, with every core of the machine.
 
 What the simulation changes, none of which changes a result (DESIGN.md, "Determinism"):
 ``data.prefetch`` is off (prefetch on and off give bit-equal models), ``storage.cpu_cache_bytes``
-is capped by ``--cache-bytes`` (the cache changes speed, never values), nothing is bound to
-cpus or NUMA nodes (``topology.bind`` off), and torch uses ``--threads`` threads.
+is capped by ``--cache-bytes`` (the cache changes speed, never values), and nothing is bound to
+cpus or NUMA nodes (``topology.bind`` off). Torch's thread count does change the bits of the
+dense model's matmuls, in real jobs too: the one rank that computes uses ``--threads``, else
+``train.threads``, else every cpu. An unbound mpirun rank uses 1 thread, so a simulation that
+must equal a real run bit for bit runs both with ``--train.threads=1`` (or the same value).
 
 The run directory is a ``hvctr train`` run directory of W ranks: ``config.toml`` (what ran),
 ``logs/rank-NNNNN.log``, ``metrics.jsonl``, ``checkpoints/`` (``hvctr export`` reads it;
@@ -22,23 +25,27 @@ The run directory is a ``hvctr train`` run directory of W ranks: ``config.toml``
 logloss and COPC and a ``simulate`` section (ranks, wall time, peak RSS). The last line on
 stdout is that summary's headline as one JSON object.
 
-Memory. Every simulated rank holds, for the whole run:
+Memory. The process (python, torch, h5py) takes about 0.5 GB; every simulated rank adds,
+for the whole run:
 - its store: the CPU cache (``storage.cpu_cache_bytes``, capped at ``--cache-bytes``,
   16 MB by default), the admission sketch when ``storage.admit_after`` > 1
-  (8 x ``storage.admit_sketch_slots`` bytes), and its working shard, a file on disk
-  (``storage.rows_per_rank`` rows reserved; the pages read are mapped, file-backed and
-  reclaimable, not anonymous memory);
-- its model replica: dense parameters, their gradients and Adam's m and v (4 x 4 bytes per
-  parameter; about 5.6 MB for the 26 x 16, 512-256-1 DNN);
-- its open data shards (h5py handles and their chunk caches: a few MB);
-and, while a window is in flight (every rank holds one at each merge: the ranks wait for each
-other there), the window: k x B x 476 bytes of batches (labels, 13 dense floats, 26 keys, 26
-int64 positions) plus its working set, U rows of ``4 x (3 x (dim + 1) + 1)`` bytes (U, the
-window's distinct keys, is about 3.4 x k x B for Criteo-like data), and the push's messages to
-and from the owners (about 2 x U rows more). The dense allreduce holds W copies of the payload
-for a moment. For the 2M-row benchmark setting (dim 16, k = 8, B = 4096) that is about
-30 MB + 2 x 23 MB per rank at a merge: W = 64 needs about 5 GB. Lower
-``data.batch_size_per_rank`` (or k) to fit larger W.
+  (8 x ``storage.admit_sketch_slots`` bytes: lower the slots for large W), and its working
+  shard, a file on disk (``storage.rows_per_rank`` rows reserved: size it for the table's
+  share of one of W ranks; the pages it maps are file-backed, reclaimable, yet counted in RSS);
+- its model replica: dense parameters, their gradients, Adam's m and v (16 bytes per
+  parameter: 5.6 MB for the 26 x 16, 512-256-1 DNN);
+- its open data shards (h5py handles and chunk caches: a few MB);
+and, while a window is in flight (every rank holds one at each merge, where the ranks wait for
+each other), the window: k x B x 476 bytes of batches (label, 13 dense floats, 26 keys, 26
+int64 positions), its working set of U rows of ``4 x (3 x (dim + 1) + 1)`` bytes (U, the
+window's distinct keys, is about 3.4 x k x B for Criteo-like data at k = 8) and, during the
+sparse push, the messages to and from the owners (about 2 x U rows). The dense allreduce
+holds 2 x W copies of the dense payload for a moment.
+Measured (peak RSS, VmHWM, of the whole process at W = 64, 2 cores): dim 8, MLP 32-16,
+B = 256, k = 4: 1.39 GB (1.09 GB with ``--cache-bytes 2e6``), 7 s for 10 steps per rank;
+dim 16, MLP 512-256, B = 1024, windows of 2 batches: 2.77 GB, 13 s for 2 steps per rank.
+Estimated, not measured: at B = 4096, k = 8, dim 16 a rank's window in flight is about 110 MB,
+so W = 64 needs about 8 GB; lower ``data.batch_size_per_rank`` (or k) to fit larger W in less.
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue from the newest complete checkpoint of the run directory (as hvctr train)")
     p.add_argument("--init-from", metavar="RUN_OR_CHECKPOINT", help="start from another run's model (as hvctr train)")
     p.add_argument("--cache-bytes", type=float, default=DEFAULT_CACHE_BYTES, metavar="BYTES",
-                   help=f"cap of each simulated rank's storage.cpu_cache_bytes (default {DEFAULT_CACHE_BYTES:.0e}; "
+                   help=f"cap of each simulated rank's storage.cpu_cache_bytes (default {DEFAULT_CACHE_BYTES:,}; "
                         f"0: the config's); the cache changes speed, never results")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads of the one rank that computes at a time (default: train.threads, "
