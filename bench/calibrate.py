@@ -333,7 +333,8 @@ def default_ranks() -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.calibrate", description=__doc__.splitlines()[0])
-    p.add_argument("--rates", required=True, help="rates file to write (hvctr/plan/rates.toml is the planner's default)")
+    p.add_argument("--rates", default="", help="rates file to write (required; hvctr/plan/rates.toml is the planner's "
+                                               "default, refreshed by hvctr bench --write-benchmarks)")
     p.add_argument("--ranks", default="", help="rank counts to measure, e.g. 1,2 (default: 1 and the cpu count)")
     p.add_argument("--quick", action="store_true", help="fewer repeats")
     p.add_argument("--name", default="", help="the rates file's name (default: the host name)")
@@ -343,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.out, args.work_dir, args.quick)
+    if not args.rates:
+        p.error("--rates FILE is required: the rates file to write")
     ranks = [int(x) for x in args.ranks.split(",") if x] if args.ranks else default_ranks()
     rf = calibrate(args.rates, ranks, args.quick, args.name, args.work_dir)
     print(f"wrote {args.rates}: {rf.source}")
