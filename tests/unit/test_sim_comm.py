@@ -7,6 +7,7 @@ rank ending every rank (never a hang), named with its rank.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -246,3 +247,42 @@ def test_simulated_config_turns_prefetch_off_and_caps_the_cache():
     assert small.storage.cpu_cache_bytes == 1_000_000
     assert simulated_config(load_config(None, ["--storage.cpu_cache_bytes=1e9"]), 0).storage.cpu_cache_bytes == 10**9
     assert node_grouping(6, 0) == [list(range(6))] and node_grouping(6, 2) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_simulate_reports_the_failing_rank_and_ends_every_rank(tmp_path, monkeypatch):
+    """hvctr simulate's driver: a rank's exception ends the run with an error naming that rank."""
+    import hvctr.train.trainer as trainer_mod
+    from hvctr.sim.cmd import simulate
+
+    class FakeTrainer:
+        def __init__(self, cfg, comm, device, run_dir, **kw):
+            self.comm, self.preempted = comm, False
+
+        def train(self):
+            for i in range(3):
+                self.comm.allreduce_sum([torch.ones(2)], name=f"w{i}")
+                if self.comm.rank == 1 and i == 1:
+                    raise KeyError("lost row")
+            return {}
+
+        def evaluate(self, split):
+            return {}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(trainer_mod, "Trainer", FakeTrainer)
+    cfg = load_config(None, [f"--train.run_dir={tmp_path / 'run'}"])
+    logger = logging.getLogger("hvctr")  # simulate() sets up its logging: put it back afterwards
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    try:
+        with pytest.raises(RuntimeError, match=r"simulated rank 1 failed: KeyError: 'lost row'"):
+            simulate(cfg, 4, threads=1)
+    finally:
+        for h in list(logger.handlers):
+            logger.removeHandler(h)
+            h.close()
+        for h in saved[0]:
+            logger.addHandler(h)
+        logger.propagate, logger.level = saved[1], saved[2]
+    assert (tmp_path / "run" / "logs" / "rank-00003.log").is_file()
