@@ -32,6 +32,12 @@ class MergeStates(str, enum.Enum):
     PARAMS_M_V = "params+m+v"
 
 
+class LrScaling(str, enum.Enum):
+    NONE = "none"  # the learning rates as given, whatever the number of ranks
+    LINEAR = "linear"  # both learning rates x W (Goyal et al., arXiv 1706.02677)
+    SQRT = "sqrt"  # both learning rates x sqrt(W)
+
+
 class Compression(str, enum.Enum):
     NONE = "none"
     FP16 = "fp16"
@@ -98,6 +104,14 @@ class MergeConfig:
     # (BENCHMARKS.md, Training), a third of the bytes, better calibration; PaddleBox merges params too
     states: MergeStates = MergeStates.PARAMS
     compression: Compression = Compression.NONE  # fp16 on the wire; never applied to Adam's v
+    # Accuracy at scale (docs/merging.md): W ranks each see 1/W of the data, so averaging
+    # their models dilutes progress per sample unless the merge makes up for it.
+    lr_scaling: LrScaling = LrScaling.NONE  # dense_lr and sparse_lr x W (linear) or x sqrt(W), sync and kstep
+    lr_warmup_steps: int = 0  # steps over which the scaled rates ramp up from the base rates (0: at once)
+    # Dense outer step on the window's averaged move (SlowMo, arXiv 1910.00643): u = momentum * u
+    # + (start - average); params = start - outer_lr * u. outer_lr 1, momentum 0: plain averaging
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -353,6 +367,9 @@ def _validate(cfg: Config) -> None:
     _require(s.ttl_passes >= 0, "storage.ttl_passes", f"must be >= 0, got {s.ttl_passes}")
     _require(s.admit_sketch_slots >= 1024, "storage.admit_sketch_slots", f"must be >= 1024, got {s.admit_sketch_slots}")
     _require(m.every_k_steps >= 1, "merge.every_k_steps", f"must be >= 1, got {m.every_k_steps}")
+    _require(m.lr_warmup_steps >= 0, "merge.lr_warmup_steps", f"must be >= 0, got {m.lr_warmup_steps}")
+    _require(m.outer_lr > 0, "merge.outer_lr", f"must be > 0, got {m.outer_lr}")
+    _require(0 <= m.outer_momentum < 1, "merge.outer_momentum", f"must be in [0, 1), got {m.outer_momentum}")
     _require(d.batch_size_per_rank >= 1, "data.batch_size_per_rank", f"must be >= 1, got {d.batch_size_per_rank}")
     per_batch = d.batch_size_per_rank * cfg.model.num_fields
     _require(

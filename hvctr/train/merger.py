@@ -8,6 +8,12 @@ step (that is SyncGradients, the baseline).
 Control flags (stop, checkpoint) ride in the same grouped allreduce as int-valued float32
 sums, so a request raised on one rank is seen by every rank at the same window boundary.
 
+An outer step (``merge.outer_lr``, ``merge.outer_momentum``; SlowMo, arXiv 1910.00643, and
+DiLoCo, arXiv 2311.08105) treats the window's averaged move as a pseudo-gradient: with
+``d = start - average``, ``u = momentum * u + d`` and ``params = start - outer_lr * u``. Every
+rank holds the same start, average and u, so the result is the same on every rank; 1 and 0
+(the defaults) are plain averaging, bit for bit. u is checkpointed with the dense state.
+
 ``merge.compression = fp16`` casts the parameters and m to float16 on the wire, as Horovod's
 fp16 compressor does (cast, allreduce, cast back), inside the one grouped allreduce; Adam's v
 (1e-8 .. 1e-11, below fp16's smallest normal 6e-5) always travels in float32.
@@ -51,6 +57,23 @@ class KStepMerger(_DenseReducer):
         super().__init__(comm, cfg, params, hierarchical)
         self.merge_m = cfg.states is MergeStates.PARAMS_M_V
         self.merge_v = cfg.states in (MergeStates.PARAMS_V, MergeStates.PARAMS_M_V)
+        self.outer = cfg.outer_lr != 1.0 or cfg.outer_momentum != 0.0
+        self.start: list[torch.Tensor] = []  # the parameters at the window's start (outer step only)
+        self.momentum: list[torch.Tensor] = [torch.zeros_like(p) for p in self.params] if self.outer else []
+
+    def mark_start(self) -> None:
+        """Takes the parameters as the next window's start: before the first window (after a
+        checkpoint load); merge() moves it on by itself."""
+        if self.outer:
+            self.start = [p.detach().clone() for p in self.params]
+
+    def _outer_step(self) -> None:
+        """params (the average, in place) <- start - outer_lr * u, u = momentum * u + (start - average)."""
+        lr, beta = self.cfg.outer_lr, self.cfg.outer_momentum
+        for p, start, u in zip(self.params, self.start, self.momentum):
+            u.mul_(beta).add_(start - p.detach())
+            p.detach().copy_(start - lr * u)
+            start.copy_(p.detach())
 
     def merge(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]], flags: Sequence[int],
               name: str) -> list[int]:
@@ -66,6 +89,8 @@ class KStepMerger(_DenseReducer):
         with torch.no_grad():
             for dst, src in zip(lossy + exact, summed[:-1]):
                 dst.copy_(src.to(dst.dtype) * scale)
+            if self.outer:
+                self._outer_step()
         return [int(round(f)) for f in summed[-1].tolist()]
 
 

@@ -52,3 +52,36 @@ def test_sync_gradients_average(comm):
     flags = sync.average([0, comm.rank], name="t.sync")
     assert torch.allclose(w.grad, torch.full((5,), (comm.size + 1) / 2))
     assert flags == [0, sum(range(comm.size))]
+
+
+def test_outer_step_with_momentum_against_its_closed_form(comm):
+    """SlowMo's outer step on the averaged move, two windows: u1 = d1, p1 = s0 - a*u1;
+    u2 = b*u1 + d2, p2 = p1 - a*u2, where d is start minus the ranks' average."""
+    a, b = 0.7, 0.5
+    p = [torch.zeros(3)]
+    merger = KStepMerger(comm, MergeConfig(outer_lr=a, outer_momentum=b), p)
+    merger.mark_start()  # start s0 = 0
+    n = comm.size
+    mean_move = -(n - 1) / 2 - 1.0  # rank r moved by -(r + 1)
+    with torch.no_grad():
+        p[0].add_(-(comm.rank + 1.0))
+    merger.merge(([], []), [0, 0], name="t.merge.outer1")
+    u1 = -mean_move
+    p1 = 0.0 - a * u1
+    assert torch.allclose(p[0], torch.full((3,), p1))
+    with torch.no_grad():
+        p[0].add_(-(comm.rank + 1.0))
+    merger.merge(([], []), [0, 0], name="t.merge.outer2")
+    u2 = b * u1 - mean_move
+    assert torch.allclose(p[0], torch.full((3,), p1 - a * u2))
+    assert torch.allclose(merger.momentum[0], torch.full((3,), u2))
+
+
+def test_outer_step_defaults_are_plain_averaging_bit_for_bit(comm):
+    p, m, v = _tensors(comm.rank)
+    q = [t.clone() for t in p]
+    KStepMerger(comm, MergeConfig(), p).merge((m, v), [0, 0], name="t.merge.plain")
+    outer = KStepMerger(comm, MergeConfig(outer_lr=1.0, outer_momentum=0.0), q)
+    outer.mark_start()
+    outer.merge((m, v), [0, 0], name="t.merge.plain2")
+    assert not outer.outer and all(torch.equal(x, y) for x, y in zip(p, q))

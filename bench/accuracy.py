@@ -1,0 +1,193 @@
+"""Accuracy against ranks: test AUC and logloss of the same data trained by W ranks, for each
+merge rule, from `hvctr simulate` (the real runtime, W ranks in one process, in turn) and,
+where the machine allows, real `mpirun -np W` jobs beside them.
+
+    python -m bench.accuracy --data /tmp/acc/d2m --ranks 1,2,4,8,16,32,64 --modes sync,8,32 \
+        --rules "plain=;sqrt=--merge.lr_scaling=sqrt" --work-dir /tmp/acc/work [--real 2,4,8] \
+        [--write BENCHMARKS.md] [--plot docs/accuracy_ranks.png]
+
+A mode is `sync` or a number k (k-step merging every k steps). A rule is `name=flags`, the
+flags any `--section.key=value` overrides, separated by spaces. Each run is one epoch over the
+training split; storage.rows_per_rank is sized from the data's distinct-key estimate for W.
+Results go to <work-dir>/accuracy.json as they come (a rerun skips the runs already there),
+then a table per data set: AUC and logloss at each W, and the gap to W = 1 of the same mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.report import machine_line, write_section
+
+REPO = Path(__file__).resolve().parents[1]
+SECTION = "## Accuracy against ranks"
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_mpi_yield_when_idle": "1",
+           "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
+
+
+def parse_rules(text: str) -> dict[str, list[str]]:
+    rules = {}
+    for item in filter(None, (s.strip() for s in text.split(";"))):
+        name, _, flags = item.partition("=")
+        rules[name.strip()] = flags.split()
+    return rules
+
+
+def mode_flags(mode: str) -> list[str]:
+    return ["--merge.mode=sync"] if mode == "sync" else ["--merge.mode=kstep", f"--merge.every_k_steps={int(mode)}"]
+
+
+def rows_per_rank(data: str, world: int) -> int:
+    """Shard capacity for W ranks: 1.6x the data's distinct keys over W (load factor 0.8, skew)."""
+    manifest = json.loads((Path(data) / "manifest.json").read_text())
+    distinct = manifest["totals"]["distinct_keys_estimate_total"]
+    return max(1 << 15, int(math.ceil(distinct * 1.6 / world)))
+
+
+def run_one(how: str, data: str, world: int, mode: str, flags: list[str], work: Path, threads: int,
+            batch: int) -> dict:
+    """One epoch of one configuration; the simulation's JSON summary or the real run's eval."""
+    run_dir = work / "runs" / f"{how}-{Path(data).name}-w{world}-{mode}-{abs(hash(tuple(flags))) % 10**8}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    common = [f"--data.train_dir={data}", f"--train.run_dir={run_dir}", f"--data.batch_size_per_rank={batch}",
+              f"--storage.rows_per_rank={rows_per_rank(data, world)}", "--checkpoint.every_windows=0",
+              *mode_flags(mode), *flags]
+    env = dict(os.environ, **MPI_ENV)
+    t0 = time.time()
+    if how == "sim":
+        cmd = [sys.executable, "-m", "hvctr", "simulate", "--ranks", str(world), "--threads", str(threads), *common]
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    else:
+        mpi = ["mpirun", "-np", str(world), "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m", "hvctr"]
+        cmd = [*mpi, "train", "--train.threads=1", *common]
+        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        summary = json.loads((run_dir / "summary.json").read_text())
+        ev = summary.get("eval") or summary.get("final_eval") or {}
+        out = {"auc": ev.get("auc", summary.get("auc")), "logloss": ev.get("logloss", summary.get("logloss")),
+               "steps": summary.get("steps")}
+    shutil.rmtree(run_dir / "shards", ignore_errors=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    return {"how": how, "data": Path(data).name, "ranks": world, "mode": mode, "flags": flags,
+            "auc": out["auc"], "logloss": out["logloss"], "steps": out.get("steps"), "wall_s": round(time.time() - t0, 1)}
+
+
+def key_of(r: dict, rule: str) -> str:
+    return f"{r['how']}|{r['data']}|{rule}|{r['mode']}|{r['ranks']}"
+
+
+def render(results: dict[str, dict], command: str) -> str:
+    lines = [SECTION, "", f"Command: `{command}`  ", f"Machine: {machine_line()}", "",
+             "Test AUC (and its gap to W = 1 of the same mode and rule) after one epoch over the same data, "
+             "W simulated ranks (`hvctr simulate`: the real runtime, bit-equal to `mpirun -np W` at W = 2, 3) "
+             "unless marked real.", ""]
+    rows: dict[tuple, dict[int, dict]] = {}
+    for k, r in results.items():
+        how, data, rule, mode, world = k.split("|")
+        rows.setdefault((data, rule, mode, how), {})[int(world)] = r
+    worlds = sorted({int(k.split("|")[-1]) for k in results})
+    lines.append("| data | rule | mode | how | " + " | ".join(f"W={w}" for w in worlds) + " |")
+    lines.append("|---|---|---|---|" + "---|" * len(worlds))
+    for (data, rule, mode, how), by_w in sorted(rows.items()):
+        # the baseline: W = 1 of this rule (a rule can act at W = 1: an outer step), else of "plain"
+        base = rows.get((data, rule, mode, "sim"), {}).get(1) or rows.get((data, "plain", mode, "sim"), {}).get(1)
+        cells = []
+        for w in worlds:
+            r = by_w.get(w)
+            if not r:
+                cells.append("")
+                continue
+            gap = "" if not base or w == 1 else f" ({r['auc'] - base['auc']:+.4f})"
+            cells.append(f"{r['auc']:.4f}{gap}")
+        mode_name = "sync" if mode == "sync" else f"k={mode}"
+        lines.append(f"| {data} | {rule} | {mode_name} | {how} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[tuple, list[tuple[int, float]]] = {}
+    for k, r in results.items():
+        how, data, rule, mode, world = k.split("|")
+        series.setdefault((data, rule, mode, how), []).append((int(world), r["auc"]))
+    datas = sorted({s[0] for s in series})
+    fig, axes = plt.subplots(1, len(datas), figsize=(6.5 * len(datas), 4.2), squeeze=False)
+    for ax, data in zip(axes[0], datas):
+        for (d, rule, mode, how), pts in sorted(series.items()):
+            if d != data:
+                continue
+            pts.sort()
+            label = f"{rule}, {'sync' if mode == 'sync' else 'k=' + mode}" + (" (real)" if how == "real" else "")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if how == "sim" else "x",
+                    ls="-" if how == "sim" else ":", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("ranks W")
+        ax.set_ylabel("test AUC")
+        ax.set_title(data)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.accuracy", description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True, help="comma-separated data_prep output directories")
+    p.add_argument("--ranks", default="1,2,4,8,16,32,64")
+    p.add_argument("--modes", default="sync,8,32")
+    p.add_argument("--rules", default="default=", help="name=flags;name=flags ...")
+    p.add_argument("--batch", type=int, default=4096, help="data.batch_size_per_rank")
+    p.add_argument("--real", default="", help="rank counts to also run as real mpirun jobs, e.g. 2,4,8")
+    p.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0))))
+    p.add_argument("--work-dir", required=True)
+    p.add_argument("--write", default="", help="markdown file to write the section into (default: none)")
+    p.add_argument("--plot", default="", help="PNG of AUC against W (default: none)")
+    args = p.parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    store = work / "accuracy.json"
+    results: dict[str, dict] = json.loads(store.read_text()) if store.exists() else {}
+    rules = parse_rules(args.rules)
+    plan = [(how, data, rule, mode, w)
+            for data in args.data.split(",") for rule in rules for mode in args.modes.split(",")
+            for how, ranks in (("sim", args.ranks), ("real", args.real)) for w in map(int, filter(None, ranks.split(",")))]
+    for i, (how, data, rule, mode, w) in enumerate(plan):
+        k = f"{how}|{Path(data).name}|{rule}|{mode}|{w}"
+        if k in results:
+            continue
+        r = run_one(how, data, w, mode, rules[rule], work, args.threads, args.batch)
+        results[k] = r
+        store.write_text(json.dumps(results, indent=1))
+        print(f"[{i + 1}/{len(plan)}] {k}: AUC {r['auc']:.4f} logloss {r['logloss']:.4f} "
+              f"steps/rank {r['steps']} ({r['wall_s']:.0f} s)", flush=True)
+    command = "python -m bench.accuracy " + " ".join(a if " " not in a else f'"{a}"' for a in (argv or sys.argv[1:]))
+    text = render(results, command)
+    print(text)
+    if args.write:
+        write_section(args.write, SECTION, text)
+    if args.plot:
+        plot(results, Path(args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

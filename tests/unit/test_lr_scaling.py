@@ -1,0 +1,39 @@
+"""merge.lr_scaling: the rates of a step at W ranks (hvctr.train.lr)."""
+
+import math
+
+import pytest
+
+from hvctr.config import LrScaling, MergeConfig, TrainConfig, load_config
+from hvctr.train.lr import LearningRates
+
+
+@pytest.mark.parametrize("rule,world,want", [(LrScaling.NONE, 8, 1.0), (LrScaling.LINEAR, 8, 8.0),
+                                             (LrScaling.SQRT, 16, 4.0), (LrScaling.SQRT, 1, 1.0)])
+def test_the_factor_after_warmup(rule, world, want):
+    lr = LearningRates(TrainConfig(dense_lr=1e-3, sparse_lr=2e-3), MergeConfig(lr_scaling=rule), world)
+    assert lr.factor(0) == lr.factor(10_000) == want
+    assert lr.dense(5) == 1e-3 * want and lr.sparse(5) == 2e-3 * want
+
+
+def test_warmup_ramps_linearly_from_the_base_rates():
+    lr = LearningRates(TrainConfig(), MergeConfig(lr_scaling=LrScaling.LINEAR, lr_warmup_steps=100), 4)
+    assert lr.factor(0) == pytest.approx(1 + 3 * 0.01)
+    assert lr.factor(49) == pytest.approx(2.5)
+    assert lr.factor(99) == lr.factor(500) == 4.0
+    assert [lr.factor(s) for s in range(100)] == sorted(lr.factor(s) for s in range(100))
+
+
+def test_no_scaling_gives_the_configured_rates_exactly():
+    t = TrainConfig(dense_lr=3e-4, sparse_lr=7e-3)
+    lr = LearningRates(t, MergeConfig(lr_warmup_steps=50), 64)
+    assert all(lr.dense(s) == 3e-4 and lr.sparse(s) == 7e-3 for s in (0, 1, 49, 50, 10_000))
+
+
+def test_config_keys_are_checked():
+    with pytest.raises(ValueError, match="merge.outer_momentum"):
+        load_config(None, ["--merge.outer_momentum=1.0"])
+    with pytest.raises(ValueError, match="merge.lr_warmup_steps"):
+        load_config(None, ["--merge.lr_warmup_steps=-1"])
+    assert load_config(None, ["--merge.lr_scaling=sqrt"]).merge.lr_scaling is LrScaling.SQRT
+    assert math.isclose(LearningRates(TrainConfig(), MergeConfig(lr_scaling=LrScaling.SQRT), 2).factor(0), 2 ** 0.5)
