@@ -4,7 +4,7 @@ A row is hvctr.formats.RowLayout: ``[w (D) | w1 (1) | m (D+1) | v (D+1) | step (
 its first ``c = D + 1`` columns are the model. One training step of the
 sparse side, with ``pos [B, F]`` the batch's positions in the working set ``rows [U, width]``:
 
-    uniq, inverse = batch_unique(pos)            # can be computed ahead, with the window
+    uniq, inverse = batch_unique(pos)            # computed ahead, with the window (train/window.py)
     p = gather_rows(rows, pos, dim)              # [B, F, D+1], a leaf that requires grad
     loss(model(dense, p[..., :dim], p[..., dim])).backward()
     idx, g = sum_rows_grad(pos, p.grad, (uniq, inverse))   # one summed gradient per row
@@ -147,7 +147,8 @@ def gather_rows(rows: Tensor, pos: Tensor, dim: int) -> Tensor:
 def sum_rows_grad(pos: Tensor, grad: Tensor, unique: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Gradient per distinct row: ``(uniq [n], summed [n, c])`` from ``grad`` [*pos.shape, c].
 
-    ``unique`` is batch_unique(pos) when it was computed ahead of time.
+    ``unique`` is batch_unique(pos) when it was computed ahead of time (the trainer's windows
+    carry it for each batch, computed in the prefetch thread); None computes it here.
     """
     uniq, inverse = unique if unique is not None else batch_unique(pos)
     c = grad.shape[-1]

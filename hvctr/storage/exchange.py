@@ -16,6 +16,11 @@ Merge rules (DESIGN.md, "Sparse merge rule"), applied by each owner to the copie
 ``warm`` may run in a prefetch thread while the main thread runs other collectives: give it
 names no other collective uses. It routes keys and answers nothing (prefetch warms, it never
 answers), so the values a later ``pull`` returns do not depend on it.
+
+Each operation takes a Routing (hvctr.storage.routing): the training window carries one,
+computed once in the prefetch thread, and warm, pull and push all send along it. Plain unique
+keys work too (tests, benchmarks, evaluation): ``route(keys)`` builds their Routing, checking
+that they are unique.
 """
 
 from __future__ import annotations
@@ -29,14 +34,17 @@ import numpy as np
 import torch
 
 from hvctr.kernels import native as _native
-from hvctr.formats import owner_of
 from hvctr.kernels import hash_table_bits, unique_in_order
-from hvctr.storage.store import EmbeddingStore, _unique_keys
+from hvctr.storage import routing as _routing
+from hvctr.storage import store as _store
+from hvctr.storage.routing import Routing
+from hvctr.storage.store import EmbeddingStore, as_keys, require_unique
 
 if TYPE_CHECKING:
     from hvctr.dist import Comm
 
 ApplyFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Keys = Routing | np.ndarray  # a routing, or unique keys to route on the call
 _KEY_COLS = 2  # a uint64 key travels as two float32 columns (bits only, no arithmetic)
 
 
@@ -124,12 +132,19 @@ class ShardedTable:
 
     # --- routing and timing ------------------------------------------------------------
 
-    def _route(self, unique_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Keys, the permutation that groups them by owner, and how many go to each rank."""
-        keys = _unique_keys(unique_keys)
-        owner = owner_of(keys, self.bucket_owner)
-        order = np.argsort(owner, kind="stable")
-        return keys, order, np.bincount(owner, minlength=self.comm.size).tolist()
+    def route(self, unique_keys: np.ndarray, trusted: bool = False) -> Routing:
+        """The Routing of ``unique_keys`` (uint64, or torch's int64 view) under this table's
+        bucket table. Their uniqueness is checked unless ``trusted`` (a window's keys are
+        unique by construction), or always under store.DEBUG_CHECKS."""
+        keys = as_keys(unique_keys) if trusted and not _store.DEBUG_CHECKS else require_unique(unique_keys)
+        return _routing.route(keys, self.bucket_owner, self.comm.size)
+
+    def _routed(self, keys: Keys) -> Routing:
+        if not isinstance(keys, Routing):
+            return self.route(keys)
+        if keys.world_size != self.comm.size:
+            raise ValueError(f"a routing for {keys.world_size} ranks, this table has {self.comm.size}")
+        return keys
 
     def _alltoall(self, rec: dict, msg: torch.Tensor, splits: list[int], name: str) -> tuple[torch.Tensor, list[int]]:
         t0 = time.perf_counter()
@@ -171,58 +186,55 @@ class ShardedTable:
 
     # --- operations --------------------------------------------------------------------
 
-    def pull(self, unique_keys: np.ndarray, name: str) -> torch.Tensor:
-        """Rows of ``unique_keys`` as float32 [U, width] on ``device``; owners create new rows."""
-        return self._answer(unique_keys, name, "pull", self.store.read)
+    def pull(self, keys: Keys, name: str) -> torch.Tensor:
+        """Rows of the routed keys as float32 [U, width] on ``device``; owners create new rows."""
+        return self._answer(self._routed(keys), name, "pull", self.store.read)
 
-    def read_only(self, unique_keys: np.ndarray, name: str) -> torch.Tensor:
+    def read_only(self, keys: Keys, name: str) -> torch.Tensor:
         """Like pull, for evaluation: owners insert and count nothing (unseen keys: init rows)."""
-        return self._answer(unique_keys, name, "read_only", self.store.read_only)
+        return self._answer(self._routed(keys), name, "read_only", self.store.read_only)
 
-    def _answer(self, unique_keys: np.ndarray, name: str, op: str,
-                read: Callable[[np.ndarray], np.ndarray]) -> torch.Tensor:
+    def _answer(self, r: Routing, name: str, op: str, read: Callable[[np.ndarray], np.ndarray]) -> torch.Tensor:
         with self._call(op) as rec:
-            keys, order, splits = self._route(unique_keys)
-            asked, received = self._send_keys(rec, keys[order], splits, f"{name}.keys")
-            uniq, _, inv = unique_in_order(asked)
+            asked, received = self._send_keys(rec, r.keys_by_owner, r.splits, f"{name}.keys")
+            uniq, _, inv = unique_in_order(asked)  # ranks ask for the same keys: read each once
             rows = read(uniq)[inv]
             back, _ = self._alltoall(rec, torch.from_numpy(rows), received, f"{name}.rows")
-            out = torch.empty((keys.shape[0], self.width), dtype=torch.float32)
-            out[torch.from_numpy(order)] = back
+            out = torch.empty((len(r), self.width), dtype=torch.float32)
+            out[torch.from_numpy(r.order)] = back
             return self._to_device(out)
 
-    def push(self, unique_keys: np.ndarray, rows: torch.Tensor | np.ndarray, name: str) -> None:
+    def push(self, keys: Keys, rows: torch.Tensor | np.ndarray, name: str) -> None:
         """Sends rows back to their owners, which average each key over the ranks that sent it."""
+        r = self._routed(keys)
         with self._call("push") as rec:
-            keys, order, splits = self._route(unique_keys)
-            values = _host(rows, (keys.shape[0], self.width))
-            got, received = self._alltoall(rec, _pack(keys, values, order), splits, f"{name}.rows")
+            values = _host(rows, (len(r), self.width))
+            got, received = self._alltoall(rec, _pack(r.keys, values, r.order), r.splits, f"{name}.rows")
             uniq, mean, _ = merge_messages(got, received, divide=True)
             self.store.write(uniq, mean)
 
-    def push_gradients(self, unique_keys: np.ndarray, grads: torch.Tensor | np.ndarray,
-                       apply_fn: ApplyFn, name: str) -> None:
+    def push_gradients(self, keys: Keys, grads: torch.Tensor | np.ndarray, apply_fn: ApplyFn, name: str) -> None:
         """Sync mode: owners sum each key's gradients over ranks (ascending source rank),
         divide by the world size, and store ``apply_fn(rows, grads)``.
 
         apply_fn gets CPU float32 tensors, rows [u, width] and grads [u, G] (G = grads' width),
         and returns the new rows [u, width].
         """
+        r = self._routed(keys)
         with self._call("push_gradients") as rec:
-            keys, order, splits = self._route(unique_keys)
-            g = _host(grads, (keys.shape[0], -1))
-            got, received = self._alltoall(rec, _pack(keys, g, order), splits, f"{name}.grads")
+            g = _host(grads, (len(r), -1))
+            got, received = self._alltoall(rec, _pack(r.keys, g, r.order), r.splits, f"{name}.grads")
             uniq, acc, _ = merge_messages(got, received, divide=False)
             acc /= np.float32(self.comm.size)
             rows = self.store.read(uniq, count=False)
             new = apply_fn(torch.from_numpy(rows), torch.from_numpy(acc))
             self.store.write(uniq, _host(new, rows.shape))
 
-    def warm(self, unique_keys: np.ndarray, name: str) -> None:
+    def warm(self, keys: Keys, name: str) -> None:
         """Owners bring these keys' shard rows into their caches; nothing comes back."""
+        r = self._routed(keys)
         with self._call("warm") as rec:
-            keys, order, splits = self._route(unique_keys)
-            asked, _ = self._send_keys(rec, keys[order], splits, f"{name}.keys")
+            asked, _ = self._send_keys(rec, r.keys_by_owner, r.splits, f"{name}.keys")
             self.store.warm(unique_in_order(asked)[0])
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

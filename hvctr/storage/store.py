@@ -1,8 +1,9 @@
 """EmbeddingStore: one rank's owned part of the table (SSD shard + CPU cache + admission).
 
 Every method takes keys this rank owns, as a 1-D uint64 array of unique keys (the exchange
-deduplicates before it calls), and is safe to call from two threads (one lock; ``warm`` lets
-go of it between chunks so a push from the main thread never waits for a whole prefetch).
+deduplicates before it calls, and the store trusts it: it checks only under
+HVCTR_DEBUG_CHECKS=1), and is safe to call from two threads (one lock; ``warm`` lets go of it
+between chunks so a push from the main thread never waits for a whole prefetch).
 
 Reads go cache -> shard -> new row. A new key is admitted once it has been counted
 ``storage.admit_after`` times (online, in a count-min sketch); until then it reads the shared
@@ -32,6 +33,12 @@ from hvctr.storage.shard import Shard
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
 _CLEAN_GENERATION = -1  # row_meta generation of bulk-loaded rows: in no checkpoint delta
 
+# HVCTR_DEBUG_CHECKS=1 (read at import; tests may set the attribute): the store checks that the
+# keys each method gets are unique. The exchange deduplicates what it hands over (a window's
+# keys are unique, an owner dedups what ranks send), so by default the store trusts it and
+# skips a hash pass per call. load_rows (checkpoint files) always checks.
+DEBUG_CHECKS = os.environ.get("HVCTR_DEBUG_CHECKS", "") == "1"
+
 
 def shard_path(shard_dir: str | Path, rank: int) -> str:
     """The working shard file of ``rank`` under ``shard_dir``."""
@@ -52,7 +59,8 @@ def _strictly_increasing(a: np.ndarray) -> bool:
     return bool(np.all(a[1:] > a[:-1]))
 
 
-def _unique_keys(keys: np.ndarray) -> np.ndarray:
+def require_unique(keys: np.ndarray) -> np.ndarray:
+    """``keys`` as a 1-D uint64 array; ValueError if a key occurs twice."""
     keys = as_keys(keys)
     # Sorted input (np.unique's, or torch.unique's int64 order) proves uniqueness in O(n);
     # other orders (the exchange's, first occurrence) take one hash pass.
@@ -60,6 +68,11 @@ def _unique_keys(keys: np.ndarray) -> np.ndarray:
         if unique_in_order(keys)[0].size != keys.size:
             raise ValueError("EmbeddingStore methods take unique keys; deduplicate first (np.unique)")
     return keys
+
+
+def _unique_keys(keys: np.ndarray) -> np.ndarray:
+    """Keys handed over by the exchange: trusted unique, checked under DEBUG_CHECKS only."""
+    return require_unique(keys) if DEBUG_CHECKS else as_keys(keys)
 
 
 class AdmissionSketch:
@@ -421,7 +434,7 @@ class EmbeddingStore:
         these keys are dropped so that reads see the loaded values. ``last_seen``: each row's
         TTL pass as saved (default: the current pass).
         """
-        keys = _unique_keys(keys)
+        keys = require_unique(keys)
         rows = np.asarray(rows, dtype=np.float32)
         foreign = owner_of(keys, self.shard.bucket_owner) != self.shard.rank
         if foreign.any():

@@ -9,9 +9,10 @@ Every rank produces the same sequence of windows, and so the same sequence of co
   exactly window t+1 and no further: no rank is left waiting in a collective for t+2.
 
 Prefetch warms, it never answers: the thread reads the data, agrees on the length, computes the
-unique keys and asks their owners to bring missing rows from SSD into the CPU cache. The rows
-themselves are pulled by the main thread after merge(t), so window t+1 sees the state after
-merge(t), and prefetch on or off gives bit-equal models.
+unique keys, routes them to their owners (once: the window carries the routing to its pull and
+push) and each batch's unique positions, and asks the owners to bring missing rows from SSD
+into the CPU cache. The rows themselves are pulled by the main thread after merge(t), so window
+t+1 sees the state after merge(t), and prefetch on or off gives bit-equal models.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from hvctr.dist.log import get_logger
-from hvctr.train.window import Window, build_window, fitting_prefix, index_keys
+from hvctr.train.window import Route, Window, build_window, fitting_prefix, index_keys
 
 log = get_logger(__name__)
 
@@ -52,9 +53,12 @@ class WindowSource:
     """Yields the run's windows in order from (epoch, batch) ``start``; see the module docstring."""
 
     def __init__(self, reader_for_epoch: Callable[[int], BatchReader], schedule: Schedule, comm,
-                 warm: Callable[[np.ndarray, str], None] | None, start: tuple[int, int, int],
-                 prefetch: bool, timeout_s: float) -> None:
+                 warm: Callable[[object, str], None] | None, start: tuple[int, int, int],
+                 prefetch: bool, timeout_s: float, route: Route | None = None) -> None:
+        """``warm(keys, name)`` takes a window's exchange_keys; ``route`` routes a window's
+        unique keys (None: windows carry no routing)."""
         self._reader_for_epoch = reader_for_epoch
+        self._route = route
         self._schedule = schedule
         self._comm = comm
         self._warm = warm if prefetch else None
@@ -87,10 +91,11 @@ class WindowSource:
         fit = fitting_prefix(index, want, s.max_working_set_rows)
         # comm: allreduce (Min) of the window length every rank can take
         (n,) = self._comm.allreduce_min_int([fit], name=f"window{self._index}.len")
-        window = build_window(self._index, self._epoch, self._batch, labels[:n], dense[:n], keys.shape, index)
+        window = build_window(self._index, self._epoch, self._batch, labels[:n], dense[:n], keys.shape, index,
+                              self._route)
         self.read_seconds += time.perf_counter() - t0
         if self._warm is not None:
-            self._warm(window.unique_keys, f"window{self._index}.warm")
+            self._warm(window.exchange_keys, f"window{self._index}.warm")
         self._index += 1
         self._batch += n
         self._steps_done += n

@@ -1,11 +1,14 @@
 """The training loop in windows of k steps.
 
     for window in windows:                      # the prefetch thread prepares window t+1
-        rows = table.pull(window.unique_keys)   # working set [U, row] from the owners
+        rows = table.pull(window.routing)       # working set [U, row] from the owners
         for batch in window: local step         # gather -> model -> loss -> backward -> lazy/dense Adam
         merger.merge(dense params, Adam moments, flags)   # one grouped allreduce
-        table.push(window.unique_keys, rows)    # owners average each row over its contributors
+        table.push(window.routing, rows)        # owners average each row over its contributors
         maybe checkpoint; stop if any rank asked
+
+A window arrives routed (its keys' owners, computed once where it was built) and with each
+batch's unique positions: the steps and exchanges never hash or sort its keys again.
 
 ``merge.mode = sync`` is the baseline: windows of one step, dense gradients averaged before
 every Adam step, sparse gradients pushed to the owners, which apply one Adam step.
@@ -128,7 +131,8 @@ class Trainer:
         total = schedule.total_steps()
         source = WindowSource(self.data.reader_for_epoch, schedule, self.comm, self.table.warm,
                               (self.state.epoch, self.state.batch, self.state.window),
-                              self.cfg.data.prefetch, self.cfg.train.queue_timeout_s)
+                              self.cfg.data.prefetch, self.cfg.train.queue_timeout_s,
+                              route=functools.partial(self.table.route, trusted=True))
         log.info(f"training: {total} steps per rank, {schedule.batches_per_epoch} batches per epoch "
                  f"({self.data.dropped_batches} remainder batches dropped on this rank), "
                  f"merge {self.cfg.merge.mode.value} k={schedule.every_k_steps}")
@@ -177,7 +181,7 @@ class Trainer:
 
     def _train_window(self, w: Window) -> list[int]:
         with self.meter.phase("pull"):
-            rows = self.table.pull(w.unique_keys, name=f"window{w.index}.pull")
+            rows = self.table.pull(w.exchange_keys, name=f"window{w.index}.pull")
         self._ws_rows = int(rows.shape[0])
         if self.cfg.merge.mode is MergeMode.SYNC:
             return self._sync_step(w, rows)
@@ -188,7 +192,7 @@ class Trainer:
             t0 = time.perf_counter()
             moments = self._moments()
             flags = self.reducer.merge(moments, self._flags(), name=f"window{w.index}.merge")
-            self.table.push(w.unique_keys, rows, name=f"window{w.index}.push")
+            self.table.push(w.exchange_keys, rows, name=f"window{w.index}.push")
             self._merge_ms = 1e3 * (time.perf_counter() - t0)
         return flags
 
@@ -214,20 +218,32 @@ class Trainer:
     def _local_step(self, w: Window, i: int, rows: torch.Tensor) -> None:
         t = self.cfg.train
         pos, grad = self._forward_backward(w, i, rows)
-        idx, g = sum_rows_grad(pos, grad)
+        idx, g = sum_rows_grad(pos, grad, self._batch_unique(w, i))
         sparse_adam_step(rows, idx, g, t.sparse_lr, t.beta1, t.beta2, t.eps)
         self.optimizer.step()
+
+    def _batch_unique(self, w: Window, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch i's unique positions and inverse (computed with the window) on the device."""
+        uniq, inverse = w.batch_unique[i]
+        return uniq.to(self.device), inverse.to(self.device)
+
+    @staticmethod
+    def _touched_keys(w: Window, idx: np.ndarray):
+        """The keys at working-set positions ``idx`` (increasing), routed from the window's
+        routing: a one-batch window touches all its keys, so that is the window's own."""
+        return w.routing.subset(idx) if w.routing is not None else w.unique_keys[idx]
 
     def _sync_step(self, w: Window, rows: torch.Tensor) -> list[int]:
         t = self.cfg.train
         with self.meter.phase("compute"):
             pos, grad = self._forward_backward(w, 0, rows)
-            idx, g = sum_rows_grad(pos, grad)
+            idx, g = sum_rows_grad(pos, grad, self._batch_unique(w, 0))
         with self.meter.phase("merge"):
             t0 = time.perf_counter()
             flags = self.reducer.average(self._flags(), name=f"window{w.index}.grads")
             apply = functools.partial(apply_adam_to_rows, lr=t.sparse_lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps)
-            self.table.push_gradients(w.unique_keys[idx.cpu().numpy()], g, apply, name=f"window{w.index}.sgrads")
+            touched = self._touched_keys(w, idx.cpu().numpy())
+            self.table.push_gradients(touched, g, apply, name=f"window{w.index}.sgrads")
             self._merge_ms = 1e3 * (time.perf_counter() - t0)
         with self.meter.phase("compute"):
             self.optimizer.step()

@@ -9,15 +9,26 @@ numpy's sort where no compiler is found) gives the distinct keys in order of fir
 order answers both questions the prefetch thread asks: how many leading batches fit the
 working-set bound (the distinct keys of a prefix are a prefix of that list), and, once ranks
 agree on the length, the window itself, without sorting every key again.
+
+The window also carries what its steps and exchanges would otherwise recompute: the routing of
+its keys to their owners (hvctr.storage.routing; warm, pull and push all send along it) and
+each batch's unique positions (hvctr.optim.batch_unique; sum_rows_grad takes them). Both are
+computed where the window is built, in the prefetch thread when prefetch is on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
+import torch
 
 from hvctr.kernels import unique_in_order
+from hvctr.optim import batch_unique
+from hvctr.storage.routing import Routing
+
+Route = Callable[[np.ndarray], Routing]
 
 
 @dataclass
@@ -29,10 +40,17 @@ class Window:
     dense: np.ndarray  # float32 [n, B, num_dense]
     positions: np.ndarray  # int64 [n, B, F]: index of each key in unique_keys
     unique_keys: np.ndarray  # uint64 [U], sorted
+    batch_unique: list[tuple[torch.Tensor, torch.Tensor]]  # per batch: batch_unique(positions[i])
+    routing: Routing | None = None  # unique_keys routed to their owners (None: not routed)
 
     @property
     def num_batches(self) -> int:
         return int(self.labels.shape[0])
+
+    @property
+    def exchange_keys(self) -> Routing | np.ndarray:
+        """What warm, pull and push take: the routing, or the keys where none was built."""
+        return self.routing if self.routing is not None else self.unique_keys
 
 
 @dataclass
@@ -62,13 +80,17 @@ def fitting_prefix(index: KeyIndex, batches: int, max_rows: int) -> int:
 
 
 def build_window(index: int, epoch: int, first_batch: int, labels: np.ndarray, dense: np.ndarray,
-                 keys_shape: tuple[int, ...], keys_index: KeyIndex) -> Window:
-    """The window of the first ``labels.shape[0]`` batches indexed by ``keys_index``."""
+                 keys_shape: tuple[int, ...], keys_index: KeyIndex, route: Route | None = None) -> Window:
+    """The window of the first ``labels.shape[0]`` batches indexed by ``keys_index``; ``route``
+    (e.g. ShardedTable.route) routes its unique keys once, for all its exchanges."""
     n = labels.shape[0]
     m = keys_index.distinct_in_prefix(n)
     order = np.argsort(keys_index.uniq[:m], kind="stable")
     rank = np.empty(m, dtype=np.int64)
     rank[order] = np.arange(m)
-    positions = rank[keys_index.inverse[: n * keys_index.keys_per_batch]]
+    positions = rank[keys_index.inverse[: n * keys_index.keys_per_batch]].reshape((n, *keys_shape[1:]))
+    unique_keys = keys_index.uniq[:m][order]
     return Window(index=index, epoch=epoch, first_batch=first_batch, labels=labels, dense=dense,
-                  positions=positions.reshape((n, *keys_shape[1:])), unique_keys=keys_index.uniq[:m][order])
+                  positions=positions, unique_keys=unique_keys,
+                  batch_unique=[batch_unique(torch.from_numpy(p)) for p in positions],
+                  routing=route(unique_keys) if route is not None else None)

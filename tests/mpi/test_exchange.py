@@ -4,6 +4,7 @@ Every rank can compute every rank's keys (seeded by window and rank), so every r
 the whole reference table: a dense array over a fixed universe of keys, updated by the
 merge rule written out plainly (sum the copies in ascending rank, divide by their count).
 Caches hold a few percent of the keys, so pulls read the SSD shard and evictions write back.
+The store's uniqueness guard (a debug check in training) is on for every test here.
 """
 
 import shutil
@@ -18,6 +19,7 @@ from hvctr.config import CachePolicy, StorageConfig
 from hvctr.formats import default_bucket_owner, owner_of
 from hvctr.formats import RowLayout, init_rows
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
+from hvctr.storage import store as store_module
 from hvctr.storage.cache import ENTRY_OVERHEAD_BYTES
 
 DIM = 4
@@ -28,6 +30,12 @@ def _cfg(cache_rows: int, policy: CachePolicy = CachePolicy.LFU) -> StorageConfi
     width = RowLayout(DIM).width
     return StorageConfig(dim=DIM, rows_per_rank=UNIVERSE, cpu_cache_bytes=cache_rows * (4 * width + ENTRY_OVERHEAD_BYTES),
                          cache_policy=policy, seed=7, init_scale=0.05)
+
+
+@pytest.fixture(autouse=True)
+def debug_checks(monkeypatch):
+    """Owners check that the keys the exchange hands them are unique (HVCTR_DEBUG_CHECKS=1)."""
+    monkeypatch.setattr(store_module, "DEBUG_CHECKS", True)
 
 
 @pytest.fixture
@@ -209,3 +217,30 @@ def test_read_only_inserts_nothing_and_warm_runs_beside_push(comm, shard_dir):
     if comm.size > 1:
         assert stats["pull_bytes_sent"] > 0 and stats["push_bytes_received"] > 0
     table.store.close()
+
+
+def test_a_routing_built_ahead_equals_routing_on_every_call(comm, shard_dir):
+    """Windows route their keys once (in the prefetch thread) for warm, pull and push: the same
+    rows and the same stored state, bit for bit, as routing the plain keys on every call."""
+    cfg = _cfg(cache_rows=50)
+    ahead, per_call = _table(comm, shard_dir, cfg, "ahead"), _table(comm, shard_dir, cfg, "per_call")
+    uni, width = _universe(), RowLayout(DIM).width
+    for t in range(5):
+        keys = np.sort(uni[_window_idx(t, comm.rank, "zipf")])  # a window's keys are sorted
+        routing = ahead.route(keys, trusted=True)
+        ahead.warm(routing, name=f"ra.w{t}")
+        per_call.warm(keys, name=f"rp.w{t}")
+        got_ahead, got_per_call = ahead.pull(routing, name=f"ra.p{t}"), per_call.pull(keys, name=f"rp.p{t}")
+        assert torch.equal(got_ahead, got_per_call)
+        new = got_ahead + torch.from_numpy(_delta(t, comm.rank, keys.size, width))
+        ahead.push(routing, new, name=f"ra.u{t}")
+        per_call.push(keys, new, name=f"rp.u{t}")
+        some = np.flatnonzero(np.arange(keys.size) % 3 == 0)  # sync mode's touched rows
+        grads = torch.from_numpy(_delta(t, comm.rank, some.size, RowLayout(DIM).model_width))
+        ahead.push_gradients(routing.subset(some), grads, lambda r, g: r + g.sum(), name=f"ra.g{t}")
+        per_call.push_gradients(keys[some], grads, lambda r, g: r + g.sum(), name=f"rp.g{t}")
+    for a, b in zip(ahead.store.iter_rows(chunk_rows=500), per_call.store.iter_rows(chunk_rows=500)):
+        np.testing.assert_array_equal(a[0], b[0])
+        assert a[1].tobytes() == b[1].tobytes()
+    ahead.store.close()
+    per_call.store.close()

@@ -9,6 +9,7 @@ import pytest
 from hvctr.config import CachePolicy, StorageConfig
 from hvctr.formats import RowLayout, init_rows
 from hvctr.storage import EmbeddingStore
+from hvctr.storage import store as store_module
 from hvctr.storage.cache import ENTRY_OVERHEAD_BYTES
 
 DIM = 4
@@ -181,12 +182,16 @@ def test_warm_in_a_thread_beside_writes(tmp_path):
     store.close()
 
 
-def test_user_errors(tmp_path):
+def test_user_errors(tmp_path, monkeypatch):
     cfg = _cfg(10, rows_per_rank=100)
     store = EmbeddingStore(cfg, tmp_path / "s.h5")
     uni = _universe()
+    monkeypatch.setattr(store_module, "DEBUG_CHECKS", True)  # HVCTR_DEBUG_CHECKS=1
     with pytest.raises(ValueError, match="unique"):
         store.read(np.array([5, 3, 5], dtype=np.uint64))
+    monkeypatch.setattr(store_module, "DEBUG_CHECKS", False)  # the default: the exchange's keys are trusted
+    with pytest.raises(ValueError, match="unique"):  # checkpoint loads always check
+        store.load_rows(np.array([5, 3, 5], dtype=np.uint64), np.zeros((3, LAYOUT.width), np.float32))
     two = EmbeddingStore(cfg, tmp_path / "r1.h5", rank=1, world_size=2)
     with pytest.raises(ValueError, match="belong to other ranks"):
         two.load_rows(uni[:20], np.zeros((20, LAYOUT.width), np.float32))  # about half are rank 0's
