@@ -38,6 +38,12 @@ class LrScaling(str, enum.Enum):
     SQRT = "sqrt"  # both learning rates x sqrt(W)
 
 
+class SparseRule(str, enum.Enum):
+    AVERAGE = "average"  # an owner keeps the mean of the contributors' copies of a row
+    SUM = "sum"  # old + the sum of the contributors' moves
+    SQRT = "sqrt"  # old + sqrt(contributors) x their mean move
+
+
 class Compression(str, enum.Enum):
     NONE = "none"
     FP16 = "fp16"
@@ -112,6 +118,7 @@ class MergeConfig:
     # + (start - average); params = start - outer_lr * u. outer_lr 1, momentum 0: plain averaging
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
+    sparse_rule: SparseRule = SparseRule.AVERAGE  # what an owner keeps of a row several ranks moved (kstep)
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,13 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 import torch
 
+from hvctr.config import SparseRule
 from hvctr.kernels import native as _native
 from hvctr.kernels import hash_table_bits, unique_in_order
 from hvctr.storage import routing as _routing
 from hvctr.storage import store as _store
 from hvctr.storage.routing import Routing
+from hvctr.storage.row_merge import merged_rows
 from hvctr.storage.store import EmbeddingStore, as_keys, require_unique
 
 if TYPE_CHECKING:
@@ -115,8 +117,9 @@ class ShardedTable:
     ``push_gradients``, ``read_only``; timing and byte counters in ``stats()`` / ``last``."""
 
     def __init__(self, comm: "Comm", store: EmbeddingStore, bucket_owner: np.ndarray,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", sparse_rule: SparseRule = SparseRule.AVERAGE) -> None:
         self.comm, self.store = comm, store
+        self.sparse_rule = sparse_rule  # what an owner keeps of a row several ranks moved (hvctr.storage.row_merge)
         self.bucket_owner = np.asarray(bucket_owner, dtype=np.int32)
         self.device = torch.device(device)
         self.width = store.layout.width
@@ -205,12 +208,16 @@ class ShardedTable:
             return self._to_device(out)
 
     def push(self, keys: Keys, rows: torch.Tensor | np.ndarray, name: str) -> None:
-        """Sends rows back to their owners, which average each key over the ranks that sent it."""
+        """Sends rows back to their owners, which average each key over the ranks that sent it
+        (then apply merge.sparse_rule, hvctr.storage.row_merge, to the model columns)."""
         r = self._routed(keys)
         with self._call("push") as rec:
             values = _host(rows, (len(r), self.width))
             got, received = self._alltoall(rec, _pack(r.keys, values, r.order), r.splits, f"{name}.rows")
-            uniq, mean, _ = merge_messages(got, received, divide=True)
+            uniq, mean, count = merge_messages(got, received, divide=True)
+            if self.sparse_rule is not SparseRule.AVERAGE:
+                old = self.store.read(uniq, count=False)  # the rows as pulled: nothing wrote them since
+                mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count)
             self.store.write(uniq, mean)
 
     def push_gradients(self, keys: Keys, grads: torch.Tensor | np.ndarray, apply_fn: ApplyFn, name: str) -> None:

@@ -38,6 +38,7 @@ from hvctr.optim import (adam_step_count, apply_adam_to_rows, gather_rows, get_a
                          sparse_adam_step, sum_rows_grad)
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.train.feed import TrainData
+from hvctr.train.lr import LearningRates
 from hvctr.train.merger import KStepMerger, SyncGradients
 from hvctr.train.meter import Meter
 from hvctr.train.prefetch import Schedule, WindowSource
@@ -72,6 +73,7 @@ class Trainer:
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
         t = cfg.train
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=t.dense_lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        self.lr = LearningRates(t, cfg.merge, comm.size)  # merge.lr_scaling: the rates of each step at W ranks
         self.data = TrainData(cfg.data, comm)
         self.ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", comm,
                                       cfg.checkpoint.keep, cfg.checkpoint.compact_every)
@@ -109,7 +111,7 @@ class Trainer:
 
         # comm: allgather of shard-creation errors (a full disk is one rank's: no rank waits alone)
         store = self.comm.agree(create, name="shard.create")
-        return store, ShardedTable(self.comm, store, owner, self.device)
+        return store, ShardedTable(self.comm, store, owner, self.device, self.cfg.merge.sparse_rule)
 
     def _build_reducer(self) -> KStepMerger | SyncGradients:
         params = list(self.model.parameters())
@@ -129,13 +131,15 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         schedule = self._schedule()
         total = schedule.total_steps()
+        if isinstance(self.reducer, KStepMerger):
+            self.reducer.mark_start()  # the outer step's start: the model as loaded or initialised
         source = WindowSource(self.data.reader_for_epoch, schedule, self.comm, self.table.warm,
                               (self.state.epoch, self.state.batch, self.state.window),
                               self.cfg.data.prefetch, self.cfg.train.queue_timeout_s,
                               route=functools.partial(self.table.route, trusted=True))
         log.info(f"training: {total} steps per rank, {schedule.batches_per_epoch} batches per epoch "
                  f"({self.data.dropped_batches} remainder batches dropped on this rank), "
-                 f"merge {self.cfg.merge.mode.value} k={schedule.every_k_steps}")
+                 f"merge {self.cfg.merge.mode.value} k={schedule.every_k_steps}; {self.lr.describe()}")
         every = self.cfg.checkpoint.every_windows
         try:
             while (window := source.next()) is not None:
@@ -217,10 +221,16 @@ class Trainer:
 
     def _local_step(self, w: Window, i: int, rows: torch.Tensor) -> None:
         t = self.cfg.train
+        step = self.state.step + i  # this step's index: the same on every rank, and on resume
         pos, grad = self._forward_backward(w, i, rows)
         idx, g = sum_rows_grad(pos, grad, self._batch_unique(w, i))
-        sparse_adam_step(rows, idx, g, t.sparse_lr, t.beta1, t.beta2, t.eps)
+        sparse_adam_step(rows, idx, g, self.lr.sparse(step), t.beta1, t.beta2, t.eps)
+        self._set_dense_lr(step)
         self.optimizer.step()
+
+    def _set_dense_lr(self, step: int) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr.dense(step)
 
     def _batch_unique(self, w: Window, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch i's unique positions and inverse (computed with the window) on the device."""
@@ -241,11 +251,13 @@ class Trainer:
         with self.meter.phase("merge"):
             t0 = time.perf_counter()
             flags = self.reducer.average(self._flags(), name=f"window{w.index}.grads")
-            apply = functools.partial(apply_adam_to_rows, lr=t.sparse_lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps)
+            apply = functools.partial(apply_adam_to_rows, lr=self.lr.sparse(self.state.step), beta1=t.beta1,
+                                      beta2=t.beta2, eps=t.eps)
             touched = self._touched_keys(w, idx.cpu().numpy())
             self.table.push_gradients(touched, g, apply, name=f"window{w.index}.sgrads")
             self._merge_ms = 1e3 * (time.perf_counter() - t0)
         with self.meter.phase("compute"):
+            self._set_dense_lr(self.state.step)
             self.optimizer.step()
         return flags
 
@@ -281,6 +293,7 @@ class Trainer:
         out.update({f"exp_avg.{i:03d}": t for i, t in enumerate(m)})
         out.update({f"exp_avg_sq.{i:03d}": t for i, t in enumerate(v)})
         out["adam_step"] = torch.tensor([adam_step_count(self.optimizer)], dtype=torch.int64)
+        out.update({f"outer_u.{i:03d}": u for i, u in enumerate(getattr(self.reducer, "momentum", []))})
         return out
 
     def save_checkpoint(self) -> None:
@@ -347,6 +360,10 @@ class Trainer:
         set_adam_states(self.optimizer, states, ("exp_avg", "exp_avg_sq"))
         for s in self.optimizer.state.values():
             s["step"] = torch.tensor(float(dense["adam_step"][0]), dtype=torch.float32)
+        with torch.no_grad():  # the outer step's momentum (merge.outer_momentum), where the run keeps one
+            for i, u in enumerate(getattr(self.reducer, "momentum", [])):
+                if f"outer_u.{i:03d}" in dense:
+                    u.copy_(torch.from_numpy(dense[f"outer_u.{i:03d}"]))
         where = checkpoint_path(src.dir, manifest["seq"])
         if how == "resume":
             self.state = TrainState(**manifest["state"])
