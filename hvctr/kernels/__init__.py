@@ -1,8 +1,8 @@
-"""The hot loops in C (``native``: built once per machine, loaded with ctypes) and the key
-deduplication every window, exchange and store runs (``unique``).
+"""The hot loops in C (``native``: hv_kernels.c and hv_row.h, built at install time by setup.py,
+loaded with ctypes) and the key deduplication every window, exchange and store runs (``unique``).
 
     from hvctr.kernels import native, unique_in_order
-    lib = native.lib()          # None where no compiler is found: callers use torch/numpy
+    lib = native.lib()          # None under HVCTR_NATIVE=0: callers use torch/numpy
 """
 
 from hvctr.kernels import native

@@ -1,7 +1,7 @@
 """Distinct keys in order of first occurrence, in one pass over a hash table.
 
 ``unique_in_order(keys)`` is how windows, exchanges and stores deduplicate keys: a C kernel
-(hvctr.kernels.native), numpy's sort where no compiler is found. The order of first
+(hvctr.kernels.native), numpy's sort under HVCTR_NATIVE=0. The order of first
 occurrence, not sorted order, is what keeps a window's working set independent of timing.
 """
 

@@ -6,8 +6,8 @@
   powers per row). Also the batch's gather of rows and the sum of its gradients per row.
 - ``dense``: the dense parameters use ``torch.optim.Adam`` (one global step); helpers read and
   write its moments in a fixed parameter order, for the k-step merger.
-- the hot loops run as C kernels (``hvctr.kernels.native``, compiled once on first use, loaded with
-  ctypes); the torch code is the reference and the fallback where no compiler is found.
+- the hot loops run as C kernels (``hvctr.kernels.native``, built at install time, loaded with
+  ctypes); the torch code is the reference, and the path taken under ``HVCTR_NATIVE=0``.
 """
 
 from hvctr.optim.dense import get_adam_states, set_adam_states, adam_step_count

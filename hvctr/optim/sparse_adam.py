@@ -12,8 +12,8 @@ sparse side, with ``pos [B, F]`` the batch's positions in the working set ``rows
 
 Lazy: a row's m and v decay only on the steps that touch it, and its bias correction uses its
 own step count, so a row first touched at global step 1000 takes a full-size first step. On
-the CPU the three loops run as C kernels (hvctr.kernels.native); elsewhere, or without a C
-compiler, as torch ops. The torch form is the reference the kernels are tested against.
+the CPU the three loops run as C kernels (hvctr.kernels.native); elsewhere, or under
+HVCTR_NATIVE=0, as torch ops. The torch form is the reference the kernels are tested against.
 """
 
 from __future__ import annotations
