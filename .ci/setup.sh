@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Idempotent set-up for a Debian 12 machine: apt packages, .venv, torch, Horovod built from its
-# sdist with the C++17 fix (cached outside the repository), and hvctr itself in editable mode.
-# Fast when everything is already there: each step checks before it works.
+# Idempotent set-up for a Debian 12 machine: apt packages, .venv, torch and the rest pinned by
+# install/constraints.txt, Horovod built from its sdist with the C++17 fix by
+# install/horovod-wheel.sh (cached outside the repository), and hvctr itself in editable mode
+# (which builds its C kernels). Fast when everything is already there: each step checks first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-CACHE=${HVCTR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvctr}
-HOROVOD_VERSION=0.28.1
-TORCH_VERSION=2.13.0
+export HVCTR_CACHE=${HVCTR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvctr}  # install/horovod-wheel.sh caches there
+CONSTRAINTS=install/constraints.txt
+HOROVOD_VERSION=$(sed -n 's/^horovod==//p' "$CONSTRAINTS")
+TORCH_VERSION=$(sed -n 's/^torch==//p' "$CONSTRAINTS")
 APT_PACKAGES="openmpi-bin libopenmpi-dev libpmix-dev hwloc numactl hdf5-tools slurm-wlm munge shellcheck"
 
 log() { printf '[setup] %s\n' "$*"; }
@@ -41,43 +43,29 @@ if ! have torch "$TORCH_VERSION"; then
   else
     log "installing torch==$TORCH_VERSION (CPU wheel)"
   fi
-  "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
+  "$VENV/bin/pip" install -q -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
 fi
 for spec in numpy h5py mpi4py pytest psutil cloudpickle pyyaml packaging matplotlib scikit-learn; do
   "$VPY" -c "import importlib.metadata as m; m.version('$spec')" 2>/dev/null || NEED="${NEED:-} $spec"
 done
 if [ -n "${NEED:-}" ]; then
   log "installing:${NEED}"
-  "$VENV/bin/pip" install -q ${NEED}
+  "$VENV/bin/pip" install -q -c "$CONSTRAINTS" ${NEED}
 fi
 
-# --- Horovod from source, cached ----------------------------------------------------------
-torch_tag=$("$VPY" -c "import torch; print(torch.__version__.replace('+', '_'))")
-WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-torch$torch_tag-py$("$VPY" -c 'import sys; print("%d%d" % sys.version_info[:2])')"
+# --- Horovod from source, cached (install/horovod-wheel.sh: the one place that knows the fix) ---
 if ! have horovod "$HOROVOD_VERSION"; then
-  if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
-    log "building Horovod $HOROVOD_VERSION from its sdist (about 5 minutes on 2 cores)"
-    build=$(mktemp -d)
-    trap 'rm -rf "$build"' EXIT
-    "$VENV/bin/pip" download -q --no-deps --no-binary :all: -d "$build" "horovod==$HOROVOD_VERSION"
-    tar -xzf "$build"/horovod-$HOROVOD_VERSION.tar.gz -C "$build"
-    src="$build/horovod-$HOROVOD_VERSION"
-    # Horovod 0.28.1 asks for C++14; torch >= 2.1 headers need C++17 (fixed upstream after the release).
-    sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-    grep -q 'CMAKE_CXX_STANDARD 17' "$src/horovod/torch/CMakeLists.txt" || { echo "C++17 patch did not apply" >&2; exit 1; }
-    mkdir -p "$WHEEL_DIR.tmp"
-    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
-    HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
-      "$VENV/bin/pip" wheel -q --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp" "$src"
-    rm -rf "$WHEEL_DIR" && mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
-  fi
+  WHEEL_DIR=$(install/horovod-wheel.sh "$VPY")
   log "installing Horovod from $WHEEL_DIR"
   "$VENV/bin/pip" install -q --no-deps "$WHEEL_DIR"/horovod-*.whl
 fi
 
 # --- hvctr itself -------------------------------------------------------------------------
-if ! [ -x "$VENV/bin/hvctr" ] || ! "$VPY" -c "import importlib.metadata as m; m.version('hvctr')" 2>/dev/null; then
-  log "installing hvctr (editable)"
+# The editable install builds the C kernels in place (setup.py); a checkout whose kernel sources
+# changed since (a stale or missing library: native.lib() raises) installs again.
+if ! [ -x "$VENV/bin/hvctr" ] || ! "$VPY" -c "import importlib.metadata as m; m.version('hvctr')" 2>/dev/null \
+   || ! "$VPY" -c "from hvctr.kernels import native; native.lib()" 2>/dev/null; then
+  log "installing hvctr (editable; builds its C kernels)"
   "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e .
 fi
 log "ready: $("$VPY" -c 'import torch, horovod, h5py, mpi4py; print("torch", torch.__version__, "horovod", horovod.__version__, "h5py", h5py.__version__, "mpi4py", mpi4py.__version__)')"

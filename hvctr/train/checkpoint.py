@@ -23,6 +23,10 @@ write new ones under their numbers).
 The working shard is only a working copy: after a crash it may hold rows written after the
 last checkpoint (evictions write back), so resume rebuilds it from the base and the deltas of
 the chosen checkpoint's chain. Nothing loaded runs code: HDF5 datasets and JSON, no pickle.
+
+The manifest records the kernel path the run took (``kernels``: ``native``, the C kernels, or
+``torch``, under HVCTR_NATIVE=0); loading a checkpoint on the other path logs a warning that
+bit-equality with the uninterrupted run is not kept.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import numpy as np
 from hvctr.dist.world import AgreedError, group_errors, raise_agreed
 from hvctr.formats import default_bucket_owner
 from hvctr.dist.log import get_logger
+from hvctr.kernels import native
 from hvctr.storage.shard import check_free_space
 
 if TYPE_CHECKING:
@@ -151,6 +156,19 @@ def read_bucket_owner(directory: str | Path, manifest: dict[str, Any], rank: int
         if "bucket_owner" in f:
             return f["bucket_owner"][...].astype(np.int32)
     return default_bucket_owner(manifest["world_size"])
+
+
+def kernel_path_change(manifest: dict[str, Any], where: str | Path = "") -> str | None:
+    """What to warn about when ``manifest`` was written on another kernel path (native C kernels
+    or the torch path, ``HVCTR_NATIVE=0``) than this process takes; None when the same or unknown
+    (a manifest from before the field). Both paths train the same model, but their roundings
+    may differ: a resume on the other path is not bit-equal to the uninterrupted run."""
+    then, now = manifest.get("kernels"), native.kernel_path()
+    if then is None or then == now:
+        return None
+    how = {"native": "the C kernels", "torch": "the torch path (HVCTR_NATIVE=0)"}
+    return (f"checkpoint {where or manifest.get('seq')} was written on {how.get(then, then)}, this run takes "
+            f"{how.get(now, now)}: training continues, but bit-equality with the uninterrupted run is not kept")
 
 
 def _seq_of(path: Path) -> int:
@@ -292,7 +310,7 @@ class CheckpointManager:
         self._force_base = False
         manifest = {"format_version": FORMAT_VERSION, "seq": seq, "kind": "base" if is_base else "delta",
                     "base_seq": base_seq, "chain": chain, "world_size": self.comm.size,
-                    "state": asdict(state), "files": files, **extra}
+                    "state": asdict(state), "files": files, "kernels": native.kernel_path(), **extra}
         if self.comm.rank == 0:
             try:
                 manifest = write_manifest(ckdir / "manifest.json", manifest)
@@ -426,6 +444,9 @@ class CheckpointManager:
         Rows come back with the TTL pass they were last written in, and the store gets the
         checkpoint's pass clock and admission counters.
         """
+        change = kernel_path_change(manifest, checkpoint_path(self.dir, manifest["seq"]))
+        if change:
+            log.warning(change)
         dense: dict[str, np.ndarray] = {}
         admission = None
         for seq in manifest["chain"]:

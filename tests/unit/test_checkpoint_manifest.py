@@ -41,3 +41,16 @@ def test_a_manifest_that_is_not_json_is_named(tmp_path):
     path.write_text('{"seq": 4, "files": [')
     with pytest.raises(ValueError, match="not JSON"):
         read_manifest(path)
+
+
+def test_a_checkpoint_on_the_other_kernel_path_says_bit_equality_is_not_kept(monkeypatch):
+    from hvctr.kernels import native
+    from hvctr.train.checkpoint import kernel_path_change
+    assert native.kernel_path() == "native"
+    assert kernel_path_change({"seq": 3, "kernels": "native"}) is None
+    assert kernel_path_change({"seq": 3}) is None  # written before the field: nothing to compare
+    note = kernel_path_change({"seq": 3, "kernels": "torch"}, "run/ckpt-000003")
+    assert "run/ckpt-000003" in note and "HVCTR_NATIVE=0" in note and "bit-equality" in note
+    monkeypatch.setenv("HVCTR_NATIVE", "0")
+    assert kernel_path_change({"seq": 3, "kernels": "torch"}) is None
+    assert "not kept" in kernel_path_change({"seq": 3, "kernels": "native"})

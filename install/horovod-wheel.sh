@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Builds Horovod 0.28.1 as a wheel for pip, once, and prints the directory that holds it (the
+# last line of stdout; everything else goes to stderr):
+#
+#   pip install -c install/constraints.txt --find-links "$(install/horovod-wheel.sh)" .
+#
+# Why: Horovod 0.28.1, its last release, does not build against torch >= 2.1 as released (its
+# CMakeLists ask for C++14, torch's headers need C++17; fixed upstream after the release), and
+# PyPI has no Horovod wheels. This script downloads the sdist from PyPI, sets C++17 in both
+# CMakeLists.txt, and builds it with PyTorch, MPI and Gloo against the torch installed for
+# PYTHON (pip --no-build-isolation: Horovod links against that torch).
+#
+#   install/horovod-wheel.sh [PYTHON]     PYTHON: default python3 on PATH (an activated venv)
+#
+# - PYTHON's environment gets what the build needs where it is missing: torch (the version in
+#   install/constraints.txt), setuptools, wheel, packaging.
+# - The wheel is cached per Horovod version, torch build and Python version, in
+#   $HVCTR_CACHE/wheels (default ~/.cache/hvctr/wheels), which make setup shares: the second
+#   call takes a second. HVCTR_HOROVOD_REBUILD=1 builds again.
+# - Needs a C++ compiler, cmake >= 3.13 (else Horovod's setup fetches one from PyPI) and an MPI
+#   with mpicc on PATH (the site's, after `module load`, is what Horovod will use). With CUDA
+#   (nvcc on PATH or CUDA_HOME set) and no HOROVOD_GPU_OPERATIONS given, NCCL operations are
+#   built (HOROVOD_GPU_OPERATIONS=NCCL); any HOROVOD_* build variable you set is passed on.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+PY=${1:-python3}
+HOROVOD_VERSION=0.28.1
+CONSTRAINTS="$HERE/constraints.txt"
+CACHE=${HVCTR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvctr}
+
+log() { printf '[horovod-wheel] %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+command -v "$PY" >/dev/null 2>&1 || die "no Python '$PY' (pass the venv's python as the first argument)"
+pip_() { "$PY" -m pip "$@" >&2; }
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  log "installing torch into $("$PY" -c 'import sys; print(sys.prefix)') (Horovod builds against it)"
+  pip_ install -q -c "$CONSTRAINTS" torch
+fi
+torch_tag=$("$PY" -c "import torch; print(torch.__version__.replace('+', '_'))")
+py_tag=$("$PY" -c 'import sys; print("%d%d" % sys.version_info[:2])')
+WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-torch$torch_tag-py$py_tag"
+
+if [ "${HVCTR_HOROVOD_REBUILD:-0}" = 1 ] || ! ls "$WHEEL_DIR"/horovod-$HOROVOD_VERSION-*.whl >/dev/null 2>&1; then
+  command -v mpicc >/dev/null 2>&1 || die "no mpicc on PATH: install an MPI with its compiler wrappers (Debian: apt-get install libopenmpi-dev openmpi-bin; a cluster: module load openmpi or your site's MPI)"
+  command -v "${CXX:-c++}" >/dev/null 2>&1 || die "no C++ compiler (${CXX:-c++}) on PATH"
+  missing=""
+  for m in setuptools wheel packaging; do "$PY" -c "import $m" 2>/dev/null || missing="$missing $m"; done
+  # shellcheck disable=SC2086
+  [ -z "$missing" ] || { log "installing the build's own needs:$missing"; pip_ install -q -c "$CONSTRAINTS" $missing; }
+  if [ -z "${HOROVOD_GPU_OPERATIONS:-}" ] && { command -v nvcc >/dev/null 2>&1 || [ -n "${CUDA_HOME:-}" ]; }; then
+    export HOROVOD_GPU_OPERATIONS=NCCL
+    log "CUDA found: building with HOROVOD_GPU_OPERATIONS=NCCL"
+  fi
+  log "building Horovod $HOROVOD_VERSION against torch $torch_tag (about 5 minutes on 2 cores)"
+  build=$(mktemp -d)
+  trap 'rm -rf "$build" "$WHEEL_DIR.tmp.$$"' EXIT
+  pip_ download -q --no-deps --no-binary :all: -d "$build" "horovod==$HOROVOD_VERSION"
+  tar -xzf "$build/horovod-$HOROVOD_VERSION.tar.gz" -C "$build"
+  src="$build/horovod-$HOROVOD_VERSION"
+  # The fix: Horovod 0.28.1 asks for C++14; torch >= 2.1 headers need C++17.
+  sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+  for f in "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"; do
+    grep -q 'CMAKE_CXX_STANDARD 17' "$f" || die "the C++17 patch did not apply to $f"
+  done
+  mkdir -p "$WHEEL_DIR.tmp.$$"
+  HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+  HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}" \
+    pip_ wheel -q --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp.$$" "$src"
+  # Publish the directory whole (rename), so that a concurrent or interrupted build never
+  # leaves a half-written wheel where pip looks.
+  rm -rf "$WHEEL_DIR" && mv "$WHEEL_DIR.tmp.$$" "$WHEEL_DIR"
+  log "built $(ls "$WHEEL_DIR")"
+fi
+echo "$WHEEL_DIR"
