@@ -48,6 +48,13 @@ class BuildKernels(build_ext):
     def get_export_symbols(self, ext):  # a ctypes library, not a Python module: no PyInit_
         return ext.export_symbols
 
+    def copy_file(self, infile, outfile, *args, **kwargs):
+        # An in-place build (pip install -e .) replaces the library, never rewrites it: running
+        # processes keep the file they mapped (rewriting it under them is a SIGBUS).
+        if str(outfile).endswith(".so") and os.path.isfile(outfile):
+            os.unlink(outfile)
+        return super().copy_file(infile, outfile, *args, **kwargs)
+
 
 native = os.environ.get("HVCTR_NATIVE", "1") != "0"
 ext_modules = [
