@@ -60,6 +60,12 @@ class ModelArch(str, enum.Enum):
     WDL = "wdl"  # Wide & Deep
 
 
+class DataVerify(str, enum.Enum):
+    FULL = "full"  # every start checks every shard of the rank against the manifest's checksums
+    STAMP = "stamp"  # a full check once; later starts re-check only shards whose size or mtime changed
+    OFF = "off"  # no checksums (shapes are still checked when the shards open)
+
+
 class Device(str, enum.Enum):
     AUTO = "auto"  # cuda:<local GPU> when CUDA is available, else cpu
     CPU = "cpu"
@@ -86,8 +92,12 @@ class TopologyConfig:
 @dataclass(frozen=True)
 class StorageConfig:
     dim: int = 16  # embedding dimension D; a row holds 3 * (D + 1) + 1 float32
-    shard_dir: str = ""  # working shards; empty: the hardware map's SSD for the rank, else <run_dir>/shards
-    rows_per_rank: int = 1 << 20  # capacity of each rank's SSD shard, in rows
+    # working shards; empty: the hardware map's SSD for the rank, else node-local scratch
+    # ($SLURM_TMPDIR, $TMPDIR: hvctr.train.trainer.working_shard_dir), else <run_dir>/shards
+    shard_dir: str = ""
+    # capacity of each rank's SSD shard, in rows; 0: sized at start from the data manifest's
+    # distinct-key estimate and the rank count, with headroom (hvctr.train.preflight.size_shard)
+    rows_per_rank: int = 0
     max_load_factor: float = 0.8  # the shard is full (an error) past this fraction of its slots
     cpu_cache_bytes: int = 256 << 20  # the CPU cache's budget of anonymous memory, per rank
     cache_policy: CachePolicy = CachePolicy.LFU
@@ -135,6 +145,9 @@ class DataConfig:
     valid_dir: str = ""  # empty: the validation split of train_dir
     batch_size_per_rank: int = 4096
     prefetch: bool = True  # read and warm window t+1 while window t trains
+    # checksums of the train shards at start: full (every start), stamp (once per data set: a
+    # stamp beside the manifest records sizes and mtimes; a changed shard is checked again), off
+    verify: DataVerify = DataVerify.STAMP
 
 
 @dataclass(frozen=True)
@@ -149,7 +162,7 @@ class TrainConfig:
     eps: float = 1e-8
     seed: int = 1234  # dense parameter init; identical on every rank
     device: Device = Device.AUTO
-    threads: int = 0  # torch threads per rank; 0: the placement plan's, else 1
+    threads: int = 0  # torch threads per rank; 0: the placement plan's, else the rank's cpus / ranks sharing them
     queue_timeout_s: float = 900.0  # prefetch queue waits; a hung reader becomes an error
     # a collective that waits this long for a rank that never comes (hung, stopped, stuck in I/O)
     # ends the job with an error naming it (hvctr.dist.watchdog, on every rank); 0: wait forever.
@@ -367,7 +380,8 @@ def _validate(cfg: Config) -> None:
     _require(topo.ranks_per_virtual_node >= 0, "topology.ranks_per_virtual_node",
              f"must be >= 0, got {topo.ranks_per_virtual_node}")
     _require(s.dim >= 1, "storage.dim", f"must be >= 1, got {s.dim}")
-    _require(s.rows_per_rank >= 16, "storage.rows_per_rank", f"must be >= 16, got {s.rows_per_rank}")
+    _require(s.rows_per_rank == 0 or s.rows_per_rank >= 16, "storage.rows_per_rank",
+             f"must be 0 (sized from the data) or >= 16, got {s.rows_per_rank}")
     _require(0.05 <= s.max_load_factor <= 0.95, "storage.max_load_factor", f"must be in [0.05, 0.95], got {s.max_load_factor}")
     _require(s.cpu_cache_bytes >= 0, "storage.cpu_cache_bytes", f"must be >= 0, got {s.cpu_cache_bytes}")
     _require(s.admit_after >= 0, "storage.admit_after", f"must be >= 0, got {s.admit_after}")

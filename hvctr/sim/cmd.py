@@ -16,8 +16,9 @@ What the simulation changes, none of which changes a result (DESIGN.md, "Determi
 is capped by ``--cache-bytes`` (the cache changes speed, never values), and nothing is bound to
 cpus or NUMA nodes (``topology.bind`` off). Torch's thread count does change the bits of the
 dense model's matmuls, in real jobs too: the one rank that computes uses ``--threads``, else
-``train.threads``, else every cpu. An unbound mpirun rank uses 1 thread, so a simulation that
-must equal a real run bit for bit runs both with ``--train.threads=1`` (or the same value).
+``train.threads``, else every cpu. An unbound mpirun rank uses its share of the node's cpus
+(cpus / ranks on the node), so a simulation that must equal a real run bit for bit runs both
+with ``--train.threads=1`` (or the same value).
 
 The run directory is a ``hvctr train`` run directory of W ranks: ``config.toml`` (what ran),
 ``logs/rank-NNNNN.log``, ``metrics.jsonl``, ``checkpoints/`` (``hvctr export`` reads it;
@@ -106,18 +107,21 @@ def node_grouping(size: int, ranks_per_virtual_node: int) -> list[list[int]]:
     return [list(range(size))]
 
 
-def preflight(cfg: Config, size: int, resume: bool, init_from: str | None) -> None:
-    """hvctr train's input checks, for every simulated rank; one AgreedError for all."""
+def preflight(cfg: Config, size: int, resume: bool, init_from: str | None) -> Config:
+    """hvctr train's input checks, for every simulated rank; one AgreedError for all. Returns
+    the config as checked (storage.rows_per_rank = 0 sized from the data)."""
     from hvctr.train.preflight import check_inputs
 
     errors: list[str | None] = []
+    checked = cfg
     for rank in range(size):
         try:
-            check_inputs(cfg, rank, size, resume, init_from)
+            checked = check_inputs(cfg, rank, size, resume, init_from)
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
     raise_agreed(group_errors(errors), 0, size)
+    return checked
 
 
 # --- logging: every line names its simulated rank ------------------------------------------
@@ -289,7 +293,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.ranks < 1:
         raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
     cfg = simulated_config(load_config(args.config, overrides), int(args.cache_bytes))
-    preflight(cfg, args.ranks, args.resume, args.init_from)
+    cfg = preflight(cfg, args.ranks, args.resume, args.init_from)
     summary, stopped = simulate(cfg, args.ranks, resume=args.resume, init_from=args.init_from, threads=args.threads,
                                 reduce_order=args.reduce_order, stop=stop)
     run_dir = Path(cfg.train.run_dir)

@@ -121,6 +121,9 @@ class EmbeddingStore:
         if create is False and not exists:
             raise ValueError(f"shard file {self.path} does not exist")
         if create or not exists:
+            if cfg.rows_per_rank < 1:
+                raise ValueError("storage.rows_per_rank = 0 (size from the data) must be decided before a shard "
+                                 "is created (hvctr.train.preflight.size_shard)")
             owner = default_bucket_owner(world_size) if bucket_owner is None else bucket_owner
             self.shard = Shard.create(self.path, dim=cfg.dim, capacity=cfg.rows_per_rank,
                                       world_size=world_size, rank=rank, bucket_owner=owner, seed=cfg.seed,

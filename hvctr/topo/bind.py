@@ -351,6 +351,57 @@ def apply_placement(topology_cfg: TopologyConfig, local_rank: int, local_size: i
     return placement
 
 
+# threads of an unbound rank --------------------------------------------------------------
+
+# Where the number of ranks sharing a node's cpus comes from, first set wins (launchers export them)
+_LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def _slurm_tasks_here(env: Mapping[str, str]) -> int:
+    """This node's tasks from SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("4(x2),3") and SLURM_NODEID."""
+    for var in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        value, node = env.get(var, ""), env.get("SLURM_NODEID", "0")
+        counts: list[int] = []
+        try:
+            for item in filter(None, value.split(",")):
+                n, _, rep = item.partition("(x")
+                counts += [int(n)] * (int(rep.rstrip(")")) if rep else 1)
+            if counts:
+                return counts[min(int(node), len(counts) - 1)]
+        except ValueError:
+            continue
+    return 0
+
+
+def default_threads(allowed: int, env: Mapping[str, str], local_size: int) -> tuple[int, str]:
+    """(torch threads, where the number came from) for a rank that no hardware map binds.
+
+    The rank's cpus (``allowed``: its affinity mask at start, e.g. the job's cgroup on the
+    node) divided by the ranks sharing them on the node: the launcher's local size
+    (OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE, SLURM_STEP_TASKS_PER_NODE),
+    else ``local_size`` (ranks on this host). With SLURM_CPUS_PER_TASK, at most that many; a mask
+    no larger than SLURM_CPUS_PER_TASK is the rank's own (srun bound it) and is not divided.
+    At least 1.
+    """
+    local, source = 0, ""
+    for var in _LOCAL_SIZE_VARS:
+        if env.get(var, "").strip().isdigit() and int(env[var]) > 0:
+            local, source = int(env[var]), var
+            break
+    if not local and _slurm_tasks_here(env):
+        local, source = _slurm_tasks_here(env), "SLURM_STEP_TASKS_PER_NODE"
+    if not local:
+        local, source = max(1, local_size), "ranks on this host"
+    per_task = int(env["SLURM_CPUS_PER_TASK"]) if env.get("SLURM_CPUS_PER_TASK", "").isdigit() else 0
+    if per_task and allowed <= per_task:
+        return max(1, allowed), f"{allowed} cpus in the rank's own affinity mask (SLURM_CPUS_PER_TASK={per_task})"
+    n = allowed // local
+    why = f"{allowed} cpus in the affinity mask / {local} rank{'s' if local != 1 else ''} sharing them ({source})"
+    if per_task and per_task < n:
+        n, why = per_task, why + f", at most SLURM_CPUS_PER_TASK={per_task}"
+    return max(1, n), why
+
+
 def applied_placement() -> Placement | None:
     return _applied[1] if _applied else None
 

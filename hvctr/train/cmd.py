@@ -3,9 +3,15 @@
     mpirun -np 2 --bind-to none python -m mpi4py -m hvctr train --config run.toml --merge.every_k_steps=8
 
 Set-up order matters: the preflight (config and inputs checked on every rank, errors agreed
-and reported once, before Horovod starts: hvctr.train.preflight),
-Horovod, placement (affinity, memory policy, threads: before CUDA and before any large
-allocation), then the trainer. Exit codes: 0 done, 2 bad config or input,
+and reported once, before Horovod starts: hvctr.train.preflight; it also sizes the shard),
+CUBLAS_WORKSPACE_CONFIG (before CUDA initialises), Horovod, placement (affinity, memory policy,
+threads: before CUDA and before any large allocation), then the trainer.
+
+Determinism: ``torch.use_deterministic_algorithms(True)`` on every run. On CUDA, cuBLAS is then
+deterministic only with a fixed workspace: ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (set here when
+unset, before any CUDA call; ``:16:8`` also works, with less memory and some speed lost),
+else the first matmul raises. Its cost: 8 workspaces of 4 MiB per GPU, and no
+non-deterministic (atomics-based) kernels. Exit codes: 0 done, 2 bad config or input,
 75 (EX_TEMPFAIL) stopped by a signal after a checkpoint: the batch script requeues the job.
 """
 
@@ -25,6 +31,17 @@ from hvctr.train.stop import StopRequest
 log = get_logger(__name__)
 
 EXIT_REQUEUE = 75
+CUBLAS_WORKSPACE = ":4096:8"  # what cuBLAS needs for deterministic results (CUDA >= 10.2)
+
+
+def cuda_determinism_env(env=None) -> str:
+    """Sets CUBLAS_WORKSPACE_CONFIG (when unset) before CUDA initialises; returns a warning or ""."""
+    env = os.environ if env is None else env
+    value = env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    if value not in (":4096:8", ":16:8"):
+        return (f"CUBLAS_WORKSPACE_CONFIG={value}: cuBLAS is deterministic only with :4096:8 or :16:8; "
+                f"on a GPU torch.use_deterministic_algorithms(True) will raise")
+    return ""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +63,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:  # hvctr eval (hvctr
 def _start(cfg: Config, run_dir: Path, program: str):
     """Horovod (with the collective watchdog), logging, placement, determinism. Returns (comm,
     device, the hardware map's SSD directory for this rank or "")."""
+    cublas_note = cuda_determinism_env()  # before anything can initialise CUDA
     import torch  # here, not at the top: the preflight before it needs none of it
 
     from hvctr.dist import init_comm
@@ -57,11 +75,22 @@ def _start(cfg: Config, run_dir: Path, program: str):
     setup_logging(comm.rank, comm.size, cfg.metrics.all_ranks, file=str(run_dir / "logs" / f"rank-{comm.rank:05d}.log"))
     from hvctr.topo.bind import apply_placement, binding_report, format_binding_table
 
+    if cublas_note:
+        log.warning(cublas_note)
     placement = apply_placement(cfg.topology, comm.local_rank, comm.local_size)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    elif not placement.bound:
-        torch.set_num_threads(1)  # ranks share the node's cores: one thread each unless a plan says more
+        threads_why = "train.threads"
+    elif not placement.bound:  # ranks share the node's cpus: each takes its share
+        from hvctr.topo.bind import default_threads
+
+        host_ranks = comm.local_size if not cfg.topology.ranks_per_virtual_node else comm.size
+        n, threads_why = default_threads(len(placement.allowed_at_start), os.environ, host_ranks)
+        torch.set_num_threads(n)
+    else:
+        threads_why = "the hardware map's plan" + (" (topology.threads_per_rank)" if cfg.topology.threads_per_rank else "")
+    if comm.rank == 0:
+        log.info(f"torch threads: {torch.get_num_threads()} on rank 0, from {threads_why}")
     torch.use_deterministic_algorithms(True)
     # comm: allgather of every rank's effective binding, for one table on rank 0
     reports = comm.allgather_object(binding_report(placement), name="binding")
@@ -88,15 +117,19 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = preflight(args.config, overrides, resume=args.resume, init_from=args.init_from)
     run_dir = Path(cfg.train.run_dir)
     comm, device, ssd_dir = _start(cfg, run_dir, "train")
+    from hvctr.train import preflight as _preflight
     from hvctr.train.trainer import Trainer
 
     if comm.rank == 0:
         write_toml(cfg, run_dir / "config.toml")
     log.info(f"hvctr train: {comm.size} ranks on {comm.num_nodes} node(s), run dir {run_dir}, device {device}")
+    if _preflight.sizing_note:
+        log.info(_preflight.sizing_note)
     trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume, init_from=args.init_from, stop=stop,
                       ssd_dir=ssd_dir)
-    log.info(f"working shards: {trainer.shard_dir} (rank 0; storage.shard_dir, else the hardware map's SSD, "
-             f"else the run directory)")
+    log.info(f"working shards: {trainer.shard_dir} (rank 0; from {trainer.shard_dir_source}; "
+             f"storage.shard_dir, else the hardware map's SSD, else $SLURM_TMPDIR / $TMPDIR, else the run "
+             f"directory{'; scratch: removed at exit' if trainer.shard_scratch else ''})")
     try:
         summary = trainer.train()
         if not trainer.preempted:

@@ -13,16 +13,20 @@ cut into batches of ``batch_size``; the last partial batch is not trained on.
 Reads are large contiguous slices (``read_bytes`` at a time, across shard boundaries), never
 per row; ``read_rows(lo, hi)`` reads any row range of the stream (a window, evaluation's short
 last batch). ``verify=True`` checks every opened shard
-against the manifest's sha256 checksums first. Problems (no manifest, an unfinished data_prep run, a
+against the manifest's sha256 checksums first; ``reader.verify(skip=stamp)`` leaves out the
+shards a verification stamp vouches for (``read_stamp``, ``write_stamp``: data.verify = stamp,
+hvctr.train.feed). Problems (no manifest, an unfinished data_prep run, a
 missing or corrupt shard, more ranks than shards) are a ValueError that names the path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-from typing import NamedTuple
+from pathlib import Path
+from typing import Mapping, NamedTuple
 
 import h5py
 import numpy as np
@@ -61,6 +65,79 @@ def dataset_checksum(dset: h5py.Dataset, rows_per_read: int = 1 << 18) -> str:
     for a in range(0, dset.shape[0], rows_per_read):
         h.update(np.ascontiguousarray(dset[a:a + rows_per_read]))
     return "sha256:" + h.hexdigest()
+
+
+# --- verification stamps ----------------------------------------------------------------
+#
+# A full check hashes every dataset of a shard (the whole data set is read). Once it passed, a
+# stamp records each shard file's size, mtime and inode with the digest of the manifest it was
+# checked against; a later start (a requeue) re-hashes only files whose record differs (or all
+# of them, when the manifest changed). Beside the manifest: STAMP_NAME; where the data
+# directory is read-only, in the run directory (RUN_STAMP_NAME, naming the data directory).
+
+STAMP_NAME = "manifest.verified.json"
+RUN_STAMP_NAME = "data-verified.json"
+_STAMP_FORMAT = "hvctr-data-verified"
+
+
+def file_identity(path: str) -> dict[str, int]:
+    """What a stamp records of a file: a change of any of these means check it again."""
+    st = os.stat(path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+
+
+def manifest_digest(data_dir: str) -> str:
+    with open(os.path.join(data_dir, "manifest.json"), "rb") as f:
+        return "sha256:" + hashlib.sha256(f.read()).hexdigest()
+
+
+def _stamp_candidates(data_dir: str, run_dir: str | Path | None) -> list[Path]:
+    out = [Path(data_dir) / STAMP_NAME]
+    if run_dir is not None:
+        out.append(Path(run_dir) / RUN_STAMP_NAME)
+    return out
+
+
+def read_stamp(data_dir: str, run_dir: str | Path | None = None) -> tuple[dict[str, dict[str, int]], str]:
+    """({shard file name: identity when it last passed}, the stamp's path) for the current
+    manifest; ({}, "") when there is none, it is unreadable or it belongs to another manifest."""
+    try:
+        digest = manifest_digest(data_dir)
+    except OSError:
+        return {}, ""
+    where = str(Path(data_dir).resolve())
+    for path in _stamp_candidates(data_dir, run_dir):
+        try:
+            stamp = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if (isinstance(stamp, dict) and stamp.get("format") == _STAMP_FORMAT
+                and stamp.get("manifest") == digest and stamp.get("data_dir") in (where, None)
+                and isinstance(stamp.get("files"), dict)):
+            return stamp["files"], str(path)
+    return {}, ""
+
+
+def write_stamp(data_dir: str, files: Mapping[str, Mapping[str, int]], run_dir: str | Path | None = None
+                ) -> tuple[str, str]:
+    """Writes the stamp (a temporary file, then rename) beside the manifest, or where the data
+    directory is read-only, in ``run_dir``. Returns (path written or "", a note or "")."""
+    body = {"format": _STAMP_FORMAT, "manifest": manifest_digest(data_dir),
+            "data_dir": str(Path(data_dir).resolve()), "files": {k: dict(v) for k, v in sorted(files.items())}}
+    note = ""
+    for path in _stamp_candidates(data_dir, run_dir):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(body, indent=1))
+            os.replace(tmp, path)
+            return str(path), note
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            note = (f"cannot write the verification stamp {path} ({e.strerror or e}): "
+                    + ("keeping it in the run directory" if run_dir is not None and path.parent != Path(run_dir)
+                       else "the next start verifies in full again"))
+    return "", note
 
 
 class ShardReader:
@@ -117,17 +194,35 @@ class ShardReader:
                 raise ValueError(f"{path}: dataset {name!r} missing or not of shape {shape} as the manifest says")
         return f
 
-    def verify(self) -> None:
-        """Checks every dataset of this rank's shards against the manifest's checksums."""
+    def verify(self, skip: Mapping[str, Mapping[str, int]] | None = None) -> tuple[dict[str, dict[str, int]], int]:
+        """Checks every dataset of this rank's shards against the manifest's checksums, except
+        the files whose identity (``file_identity``) equals their record in ``skip`` (a stamp).
+
+        Returns ({file name: identity} of the files now known good, files hashed). A file
+        that changed while it was hashed is checked but not recorded."""
+        good: dict[str, dict[str, int]] = {}
+        hashed = 0
         for path, f, rec in zip(self.paths, self._files, self.records):
-            for name, want in rec["checksums"].items():
-                try:
-                    got = dataset_checksum(f[name])
-                except OSError as e:  # a damaged chunk or header: HDF5 cannot read it back
-                    raise ValueError(f"{path}: dataset {name!r} cannot be read ({e}): the file is damaged") from None
-                if got != want:
-                    raise ValueError(f"{path}: dataset {name!r} does not match its checksum in "
-                                     f"manifest.json ({got} != {want}): the file is corrupt or from another run")
+            before = file_identity(path)
+            if skip is not None and dict(skip.get(rec["file"], {})) == before:
+                good[rec["file"]] = before
+                continue
+            hashed += 1
+            self._verify_file(path, f, rec)
+            if file_identity(path) == before:
+                good[rec["file"]] = before
+        return good, hashed
+
+    @staticmethod
+    def _verify_file(path: str, f: h5py.File, rec: dict) -> None:
+        for name, want in rec["checksums"].items():
+            try:
+                got = dataset_checksum(f[name])
+            except OSError as e:  # a damaged chunk or header: HDF5 cannot read it back
+                raise ValueError(f"{path}: dataset {name!r} cannot be read ({e}): the file is damaged") from None
+            if got != want:
+                raise ValueError(f"{path}: dataset {name!r} does not match its checksum in "
+                                 f"manifest.json ({got} != {want}): the file is corrupt or from another run")
 
     def read_rows(self, lo: int, hi: int) -> Batch:
         """Rows [lo, hi) of this rank's stream (labels, dense, keys): one slice read per shard it crosses."""

@@ -4,14 +4,22 @@ Rank r reads the data shards s with s % W == r (hvctr.train.data.ShardReader). R
 numbers of rows, and every step is a collective, so the batches per epoch are the minimum over
 ranks; a rank's batches past it (and its partial last batch) are dropped, counted and reported.
 Evaluation reads every row, the partial last batch included.
+
+At start the train shards are checked against the manifest's checksums as ``data.verify``
+says: ``full`` every start; ``stamp`` (the default) once per data set: after a full check
+rank 0 writes a stamp of the files' sizes, mtimes and inodes beside the manifest (or in the
+run directory where the data directory is read-only), and later starts (requeues) re-hash only
+the files whose record differs; ``off`` never (shapes are still checked).
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from hvctr.config import DataConfig
-from hvctr.train.data import NUM_DENSE, NUM_FIELDS, ShardReader
+from hvctr.config import DataConfig, DataVerify
+from hvctr.train.data import NUM_DENSE, NUM_FIELDS, ShardReader, read_stamp, write_stamp
 from hvctr.dist.world import AgreedError
 from hvctr.dist.log import get_logger
 
@@ -49,14 +57,30 @@ class EvalReader:
 
 
 class TrainData:
-    def __init__(self, cfg: DataConfig, comm, verify: bool = True) -> None:
+    def __init__(self, cfg: DataConfig, comm, verify: bool = True, run_dir=None) -> None:
         if not cfg.train_dir:
             raise ValueError("config key 'data.train_dir' is empty: point it at a data_prep output directory")
         self.cfg, self.comm = cfg, comm
+        mode = cfg.verify if verify else DataVerify.OFF
+        stamp, stamp_path = read_stamp(cfg.train_dir, run_dir) if mode is DataVerify.STAMP else ({}, "")
+
+        def open_and_verify():
+            t0 = time.perf_counter()
+            reader = ShardReader(cfg.train_dir, "train", comm.rank, comm.size, cfg.batch_size_per_rank)
+            if mode is DataVerify.OFF:
+                return reader, None
+            try:
+                good, hashed = reader.verify(skip=stamp if mode is DataVerify.STAMP else None)
+            except ValueError:
+                reader.close()
+                raise
+            return reader, (good, hashed, len(reader.paths), time.perf_counter() - t0)
+
         # comm: allgather of open/verify errors: a damaged shard is one rank's, and the others
         # must not wait for it in the allreduce below
-        self._reader = comm.agree(lambda: ShardReader(cfg.train_dir, "train", comm.rank, comm.size,
-                                                      cfg.batch_size_per_rank, verify=verify), name="data.open")
+        self._reader, checked = comm.agree(open_and_verify, name="data.open")
+        if checked is not None:
+            self._stamp(mode, checked, stamp, stamp_path, run_dir)
         mine = self._reader.num_batches
         # comm: allreduce (Min) of the full batches each rank holds: the batches per epoch
         (self.batches_per_epoch,) = comm.allreduce_min_int([mine], name="data.batches_per_epoch")
@@ -65,6 +89,32 @@ class TrainData:
                               f"{cfg.batch_size_per_rank}); lower it or add data", report=comm.rank == 0)
         self.dropped_batches = mine - self.batches_per_epoch
         self.dropped_rows = self._reader.rows - self.batches_per_epoch * cfg.batch_size_per_rank
+
+    def _stamp(self, mode: DataVerify, checked, stamp: dict, stamp_path: str, run_dir) -> None:
+        """Rank 0 writes the stamp of every rank's files known good, when any was hashed."""
+        # comm: allgather of each rank's verified files (names, sizes, mtimes) and counts
+        everyone = self.comm.allgather_object(checked, name="data.verified")
+        if self.comm.rank != 0:
+            return
+        hashed = sum(c[1] for c in everyone)
+        files = sum(c[2] for c in everyone)
+        slowest = max(c[3] for c in everyone)
+        if mode is DataVerify.FULL:
+            log.info(f"data: {files} train shard files checked against the manifest's checksums in {slowest:.1f} s "
+                     f"(data.verify = full)")
+            return
+        if hashed == 0:
+            log.info(f"data: {files} train shard files unchanged since the verification stamp {stamp_path}: "
+                     f"not hashed again (data.verify = stamp)")
+            return
+        good = {name: ident for c in everyone for name, ident in c[0].items()}
+        path, note = write_stamp(self.cfg.train_dir, good, run_dir)
+        if note:
+            log.warning(f"data: {note}")
+        why = "no stamp yet" if not stamp_path else f"changed since the stamp {stamp_path}"
+        log.info(f"data: {hashed} of {files} train shard files checked against the manifest's checksums "
+                 f"({why}) in {slowest:.1f} s" + (f"; stamp written to {path}" if path else "")
+                 + " (data.verify = stamp)")
 
     def reader_for_epoch(self, epoch: int) -> _WindowReader:
         return _WindowReader(self._reader)

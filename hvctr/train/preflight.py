@@ -15,7 +15,10 @@ ranks that hit it, and every rank exits with status 2. What is checked here:
   the shapes the manifest records), at least one full batch on this rank;
 - the checkpoint directory (without --init-from): a fresh run finds none there; a resumed run
   finds its newest checkpoint written by as many ranks as it has (resharding is a step of
-  its own).
+  its own);
+- the shard's size (``size_shard``): ``storage.rows_per_rank = 0`` becomes a number from the
+  data manifest's distinct-key estimate and the rank count, with headroom; a run whose table
+  would fill the shard (explicit or sized) stops here, naming the size to use.
 
 Reading every data shard against its checksums costs a full pass over the data: the trainer
 does that once Horovod is up (an error there is one rank's, and that rank reports it).
@@ -23,10 +26,18 @@ does that once Horovod is up (an error there is one rank's, and that rank report
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
 from hvctr.config import Config, load_config
 from hvctr.dist.world import check_collectively, world_rank, world_size
+
+SHARD_HEADROOM = 1.25  # sized shards hold the estimate's fullest rank x this (sketch error, bucket skew)
+MIN_SIZED_ROWS = 1 << 12
+
+# What the last size_shard() decided, for the log once logging is set up ("" when nothing was sized)
+sizing_note = ""
 
 
 def preflight(config_path: str | None, overrides: list[str], resume: bool, init_from: str | None = None,
@@ -61,6 +72,71 @@ def check_inputs(cfg: Config, rank: int, size: int, resume: bool, init_from: str
     _check_data(cfg, rank, size, eval_only)
     if init_from is None:  # --init-from chooses between two checkpoint directories: the trainer decides
         _check_checkpoints(cfg, Path(run_dir or cfg.train.run_dir), size, resume)
+    return size_shard(cfg, size, init_from, check=not eval_only)
+
+
+def _prior_rows(init_from: str) -> int:
+    """Rows of the fullest rank of the model --init-from starts from, at most (the sum of its
+    checkpoint chain's per-rank row counts: a delta's rows may repeat the base's); 0 unknown."""
+    from hvctr.train.checkpoint import locate, read_manifests
+
+    try:
+        directory, seq = locate(init_from)
+    except ValueError:
+        return 0  # the trainer names the problem
+    manifests = {m["seq"]: m for m in read_manifests(directory)}
+    newest = manifests.get(seq) if seq is not None else next(iter(manifests.values()), None)
+    if newest is None:
+        return 0
+    per_rank = [0] * int(newest["world_size"])
+    for s in newest.get("chain", [newest["seq"]]):
+        for r, f in enumerate(manifests.get(s, {}).get("files", [])):
+            per_rank[r] += int(f.get("rows", 0))
+    return max(per_rank, default=0)
+
+
+def size_shard(cfg: Config, size: int, init_from: str | None = None, check: bool = True) -> Config:
+    """``cfg`` with ``storage.rows_per_rank`` decided, and the check that the table fits.
+
+    Needed rows (the fullest rank): the data manifest's ``distinct_keys_estimate_total`` dealt
+    over the ranks as the buckets are (hvctr.plan.model.rows_per_rank, what ``hvctr plan
+    --data`` reports), plus, with --init-from, the rows of the model it starts from. A 0 becomes
+    needed x SHARD_HEADROOM; the index then has rows / storage.max_load_factor slots, as for
+    any capacity. With ``check``, a capacity below the need is a ValueError naming the size
+    to use, unless keys are admitted late (storage.admit_after > 1) or the run stops early
+    (train.max_steps), when not every key reaches the table. Sets ``sizing_note``.
+    """
+    global sizing_note
+    from hvctr.plan.model import rows_per_rank as fullest_rank_rows
+    from hvctr.train.data import load_manifest
+
+    s = cfg.storage
+    sizing_note = ""
+    try:
+        distinct = int(load_manifest(cfg.data.train_dir)["totals"]["distinct_keys_estimate_total"])
+    except (ValueError, KeyError, TypeError):
+        distinct = -1  # an older manifest without the estimate
+    if distinct < 0:
+        if s.rows_per_rank == 0:
+            raise ValueError(f"config key 'storage.rows_per_rank' is 0 (size from the data), but "
+                             f"{cfg.data.train_dir}/manifest.json has no totals.distinct_keys_estimate_total: "
+                             f"set storage.rows_per_rank (hvctr plan --data {cfg.data.train_dir} sizes it)")
+        return cfg
+    prior = _prior_rows(init_from) if init_from else 0
+    need = fullest_rank_rows(distinct, size) + prior
+    sized = max(MIN_SIZED_ROWS, math.ceil(need * SHARD_HEADROOM))
+    src = (f"{distinct:,} distinct keys (the data manifest's estimate) over {size} rank(s): {need - prior:,} on "
+           f"the fullest" + (f", + {prior:,} rows of the --init-from model" if prior else ""))
+    if s.rows_per_rank == 0:
+        cfg = dataclasses.replace(cfg, storage=dataclasses.replace(s, rows_per_rank=sized))
+        sizing_note = (f"shard size: storage.rows_per_rank = {sized:,} (0: sized from the data; {src}; "
+                       f"x {SHARD_HEADROOM} headroom; index slots at storage.max_load_factor {s.max_load_factor})")
+    capacity = cfg.storage.rows_per_rank
+    partial = s.admit_after > 1 or cfg.train.max_steps > 0
+    if check and not partial and need > capacity:
+        raise ValueError(f"config key 'storage.rows_per_rank': {capacity:,} rows per rank, but the table needs "
+                         f"about {need:,} on the fullest rank ({src}): it would fill up in training; "
+                         f"set storage.rows_per_rank = {sized} (or 0 to size it from the data)")
     return cfg
 
 

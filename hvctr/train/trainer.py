@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -50,31 +51,70 @@ log = get_logger(__name__)
 STOP, CHECKPOINT = 0, 1  # indices of the control flags carried by the merge
 
 
-def working_shard_dir(cfg: Config, run_dir: Path, ssd_dir: str = "") -> Path:
-    """Where a rank's working shard goes: ``storage.shard_dir`` when set; else the SSD the
-    hardware map gives the rank (placement's ssd_dir, on the rank's NUMA node), in a directory
-    named after the run (its name and a hash of its path: two runs never share one); else
-    ``<run_dir>/shards``."""
+SCRATCH_VARS = ("SLURM_TMPDIR", "TMPDIR")  # node-local scratch, in the order tried
+
+
+def _same_file_system(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` (or their nearest existing parents) sit on one file system."""
+    def dev(p: Path) -> int:
+        p = p.absolute()
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        return p.stat().st_dev
+
+    try:
+        return dev(a) == dev(b)
+    except OSError:
+        return False
+
+
+def working_shard_place(cfg: Config, run_dir: Path, ssd_dir: str = "", env=None) -> tuple[Path, str, bool]:
+    """(directory, where it came from, whether it is scratch removed at exit) of a rank's
+    working shard, first that applies:
+
+    1. ``storage.shard_dir`` (kept);
+    2. the SSD the hardware map gives the rank (placement's ssd_dir, on its NUMA node): scratch;
+    3. node-local scratch: ``$SLURM_TMPDIR``, then ``$TMPDIR``, the first that is set, is a
+       directory and is not on the run directory's file system (a scratch directory there is
+       the shared file system again): scratch;
+    4. ``<run_dir>/shards`` (kept).
+
+    Scratch directories are named after the run (its name and a hash of its path: two runs
+    never share one, and a requeued start finds the same name)."""
+    env = os.environ if env is None else env
     if cfg.storage.shard_dir:
-        return Path(cfg.storage.shard_dir)
+        return Path(cfg.storage.shard_dir), "storage.shard_dir", False
+    tag = f"{run_dir.name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]}"
     if ssd_dir:
-        tag = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
-        return Path(ssd_dir) / "hvctr-shards" / f"{run_dir.name}-{tag}"
-    return run_dir / "shards"
+        return Path(ssd_dir) / "hvctr-shards" / tag, "the hardware map's SSD", True
+    for var in SCRATCH_VARS:
+        scratch = env.get(var, "")
+        if scratch and os.path.isdir(scratch) and not _same_file_system(Path(scratch), run_dir):
+            return Path(scratch) / "hvctr-shards" / tag, f"${var} (node-local scratch)", True
+    return run_dir / "shards", "the run directory", False
+
+
+def working_shard_dir(cfg: Config, run_dir: Path, ssd_dir: str = "", env=None) -> Path:
+    """Where a rank's working shard goes (``working_shard_place``)."""
+    return working_shard_place(cfg, run_dir, ssd_dir, env)[0]
 
 
 class Trainer:
     def __init__(self, cfg: Config, comm, device: torch.device, run_dir: Path, resume: bool,
                  init_from: str | None = None, stop: StopRequest | None = None, ssd_dir: str = "") -> None:
         self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
-        self.shard_dir = working_shard_dir(cfg, run_dir, ssd_dir)
-        self.shard_on_ssd = not cfg.storage.shard_dir and bool(ssd_dir)  # scratch: removed by close()
+        if cfg.storage.rows_per_rank == 0:  # hvctr train's preflight sized it; other callers size it here
+            from hvctr.train import preflight
+
+            cfg = self.cfg = preflight.size_shard(cfg, comm.size, init_from, check=False)
+            log.info(preflight.sizing_note)
+        self.shard_dir, self.shard_dir_source, self.shard_scratch = working_shard_place(cfg, run_dir, ssd_dir)
         self.dim = cfg.storage.dim
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
         t = cfg.train
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=t.dense_lr, betas=(t.beta1, t.beta2), eps=t.eps)
         self.lr = LearningRates(t, cfg.merge, comm.size)  # merge.lr_scaling: the rates of each step at W ranks
-        self.data = TrainData(cfg.data, comm)
+        self.data = TrainData(cfg.data, comm, run_dir=run_dir)
         self.ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", comm,
                                       cfg.checkpoint.keep, cfg.checkpoint.compact_every)
         start = self._find_start(resume, init_from)
@@ -103,7 +143,8 @@ class Trainer:
             try:
                 self.shard_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                where = "storage.shard_dir" if self.cfg.storage.shard_dir else "the hardware map's ssd path"
+                where = ("the hardware map's ssd path" if self.shard_dir_source == "the hardware map's SSD"
+                         else self.shard_dir_source)
                 raise ValueError(f"cannot create the working-shard directory {self.shard_dir} ({where}): "
                                  f"{e.strerror or e}") from None
             return EmbeddingStore(self.cfg.storage, shard_path(self.shard_dir, self.comm.rank), rank=self.comm.rank,
@@ -409,9 +450,9 @@ class Trainer:
     def close(self) -> None:
         self.meter.close()
         self.store.close()
-        if self.shard_on_ssd:
-            # Scratch on a node's SSD, rebuilt from the checkpoint by every start: nothing of
-            # value is lost, and the next job on the node gets its disk back.
+        if self.shard_scratch:
+            # Scratch on a node's SSD or local disk, rebuilt from the checkpoint by every start:
+            # nothing of value is lost, and the next job on the node gets its disk back.
             Path(self.store.path).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 self.shard_dir.rmdir()  # other ranks of the node may still hold theirs
