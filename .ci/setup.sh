@@ -53,6 +53,32 @@ if [ -n "${NEED:-}" ]; then
   "$VENV/bin/pip" install -q -c "$CONSTRAINTS" ${NEED}
 fi
 
+# --- GPU: Horovod with NCCL where a GPU, the CUDA toolkit and NCCL's headers are all here ---
+# Needs: nvidia-smi listing a GPU; the CUDA toolkit (nvcc on PATH or CUDA_HOME); nccl.h under
+# NCCL_HOME/include, CUDA_HOME/include, /usr/include or /usr/local/cuda/include, with libnccl.so
+# beside it (Debian/Ubuntu: libnccl-dev; clusters: module load nccl; the nvidia-nccl wheel torch
+# brings has no libnccl.so to link against). Then HOROVOD_GPU_OPERATIONS=NCCL and where NCCL is
+# go to install/horovod-wheel.sh. A HOROVOD_GPU_OPERATIONS you set wins.
+nccl_home() {
+  local d
+  for d in "${NCCL_HOME:-}" "${CUDA_HOME:-}" /usr /usr/local/cuda; do
+    [ -n "$d" ] && [ -f "$d/include/nccl.h" ] && { echo "$d"; return 0; }
+  done
+  return 1
+}
+if [ -z "${HOROVOD_GPU_OPERATIONS:-}" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  if ! { command -v nvcc >/dev/null 2>&1 || [ -n "${CUDA_HOME:-}" ]; }; then
+    log "GPU found, but no CUDA toolkit (nvcc on PATH or CUDA_HOME): Horovod is built without NCCL (module load cuda, then HVCTR_HOROVOD_REBUILD=1 make setup)"
+  elif NCCL_DIR=$(nccl_home); then
+    nccl_so=$(find "$NCCL_DIR"/lib* "$NCCL_DIR"/lib/*-linux-gnu -maxdepth 1 -name 'libnccl.so*' 2>/dev/null | head -n1 || true)
+    export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_INCLUDE="$NCCL_DIR/include"
+    [ -z "$nccl_so" ] || export HOROVOD_NCCL_LIB="${nccl_so%/*}"
+    log "GPU, CUDA toolkit and NCCL ($NCCL_DIR) found: Horovod is built with HOROVOD_GPU_OPERATIONS=NCCL"
+  else
+    log "GPU found, but no nccl.h (NCCL_HOME, CUDA_HOME, /usr, /usr/local/cuda): Horovod is built without NCCL; install NCCL (libnccl-dev, or module load nccl and set NCCL_HOME), then HVCTR_HOROVOD_REBUILD=1 make setup"
+  fi
+fi
+
 # --- Horovod from source, cached (install/horovod-wheel.sh: the one place that knows the fix) ---
 if ! have horovod "$HOROVOD_VERSION"; then
   WHEEL_DIR=$(install/horovod-wheel.sh "$VPY")
