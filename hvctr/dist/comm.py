@@ -11,6 +11,11 @@ Node grouping: ranks sharing a host form a node (or, for tests on one machine, g
 ``ranks_per_virtual_node`` consecutive ranks). The grouping becomes two Horovod process sets
 at init: this rank's node, and the node leaders (local rank 0 of every node). They carry the
 hierarchical dense merge: reduce inside the node, cross the network once per node.
+
+Devices: one grouped allreduce takes tensors on one device. A group that mixes devices (the
+dense model on a GPU and the control flags on the host) goes to the GPU when Horovod was
+built with NCCL (HOROVOD_GPU_OPERATIONS=NCCL), else through host memory; each result comes
+back on its tensor's own device (``_staged``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,32 @@ from hvctr.dist.watchdog import CollectiveWatchdog
 from hvctr.dist.world import group_errors, raise_agreed, world_rank  # noqa: F401 (world_rank: callers import it here)
 
 T = TypeVar("T")
+
+
+def _gpu_collectives() -> bool:
+    """Whether Horovod takes CUDA tensors itself (built with NCCL)."""
+    try:
+        return bool(hvd.nccl_built())
+    except (AttributeError, RuntimeError, ValueError):
+        return False
+
+
+def _staged(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.device] | None]:
+    """The tensors on the one device Horovod reduces them on, and their own devices (None:
+    nothing moved). All on the host: as they are. Else the GPU, when NCCL is built and one GPU
+    holds them; otherwise the host."""
+    devices = [t.device for t in tensors]
+    if all(d.type == "cpu" for d in devices):
+        return list(tensors), None
+    gpus = {d for d in devices if d.type == "cuda"}
+    target = next(iter(gpus)) if len(gpus) == 1 and _gpu_collectives() else torch.device("cpu")
+    if all(d == target for d in devices):
+        return list(tensors), None
+    return [t.to(target) for t in tensors], devices
+
+
+def _unstaged(tensors: Sequence[torch.Tensor], devices: list[torch.device] | None) -> list[torch.Tensor]:
+    return list(tensors) if devices is None else [t.to(d) for t, d in zip(tensors, devices)]
 
 
 @dataclass
@@ -56,10 +87,11 @@ class Comm:
         """Elementwise sums over ranks of a list of tensors, in one grouped allreduce."""
         if not tensors:
             return []
+        staged, devices = _staged(tensors)
         with self._waiting(name):
             # comm: one grouped allreduce (Sum) of every tensor in the list
-            return list(hvd.grouped_allreduce(list(tensors), op=hvd.Sum, name=name,
-                                              compression=compression or hvd.Compression.none))
+            out = hvd.grouped_allreduce(staged, op=hvd.Sum, name=name, compression=compression or hvd.Compression.none)
+        return _unstaged(out, devices)
 
     def allreduce_avg(self, tensors: Sequence[torch.Tensor], name: str,
                       compression: Any = None) -> list[torch.Tensor]:
@@ -78,6 +110,7 @@ class Comm:
             return []
         if self.num_nodes == 1 or self.size == self.num_nodes:
             return self.allreduce_sum(tensors, name)
+        tensors, devices = _staged(tensors)
         with self._waiting(name):
             # comm: intra-node grouped allreduce (Sum) over this rank's node process set
             partial = hvd.grouped_allreduce(tensors, op=hvd.Sum, name=f"{name}.intra",
@@ -89,8 +122,8 @@ class Comm:
                                                 process_set=self._leader_set)
             contrib = partial if leader else [torch.zeros_like(t) for t in partial]
             # comm: intra-node grouped allreduce (Sum) that carries the leader's result to the node
-            return list(hvd.grouped_allreduce(contrib, op=hvd.Sum, name=f"{name}.bcast",
-                                              process_set=self._node_set))
+            out = hvd.grouped_allreduce(contrib, op=hvd.Sum, name=f"{name}.bcast", process_set=self._node_set)
+        return _unstaged(out, devices)
 
     def allreduce_min_int(self, values: Sequence[int], name: str) -> list[int]:
         """Elementwise minimum over ranks of small integers (window lengths, stop flags)."""

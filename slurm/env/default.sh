@@ -30,7 +30,8 @@ export HOROVOD_LOG_LEVEL=${HOROVOD_LOG_LEVEL:-warning}
 
 # --- node layout -------------------------------------------------------------------------
 # The hardware map of this partition's node type (slurm/hwmaps/*.toml; `hvctr topo --out F`
-# writes one). Empty: no placement, each rank runs one thread. "auto": discover at start.
+# writes one). Empty: no placement; each rank runs its share of the node's cpus in torch threads
+# (the cpus the job may use / tasks on the node, at most --cpus-per-task). "auto": discover at start.
 HWMAP=${HWMAP:-}
 
 # NIC hook: MPI and Horovod connect before hvctr's placement runs, so the NIC of each rank's
