@@ -18,9 +18,9 @@
 #   $HVCTR_CACHE/wheels (default ~/.cache/hvctr/wheels), which make setup shares: the second
 #   call takes a second. HVCTR_HOROVOD_REBUILD=1 builds again.
 # - Needs a C++ compiler, cmake >= 3.13 (else Horovod's setup fetches one from PyPI) and an MPI
-#   with mpicc on PATH (the site's, after `module load`, is what Horovod will use). With CUDA
-#   (nvcc on PATH or CUDA_HOME set) and no HOROVOD_GPU_OPERATIONS given, NCCL operations are
-#   built (HOROVOD_GPU_OPERATIONS=NCCL); any HOROVOD_* build variable you set is passed on.
+#   with mpicc on PATH (the site's, after `module load`, is what Horovod will use). Any
+#   HOROVOD_* build variable you set is passed on: for GPUs, HOROVOD_GPU_OPERATIONS=NCCL with a
+#   CUDA build of torch (with HVCTR_HOROVOD_REBUILD=1 where a CPU build is cached).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${1:-python3}
@@ -49,10 +49,6 @@ if [ "${HVCTR_HOROVOD_REBUILD:-0}" = 1 ] || ! ls "$WHEEL_DIR"/horovod-$HOROVOD_V
   for m in setuptools wheel packaging; do "$PY" -c "import $m" 2>/dev/null || missing="$missing $m"; done
   # shellcheck disable=SC2086
   [ -z "$missing" ] || { log "installing the build's own needs:$missing"; pip_ install -q -c "$CONSTRAINTS" $missing; }
-  if [ -z "${HOROVOD_GPU_OPERATIONS:-}" ] && { command -v nvcc >/dev/null 2>&1 || [ -n "${CUDA_HOME:-}" ]; }; then
-    export HOROVOD_GPU_OPERATIONS=NCCL
-    log "CUDA found: building with HOROVOD_GPU_OPERATIONS=NCCL"
-  fi
   log "building Horovod $HOROVOD_VERSION against torch $torch_tag (about 5 minutes on 2 cores)"
   build=$(mktemp -d)
   trap 'rm -rf "$build" "$WHEEL_DIR.tmp.$$"' EXIT
