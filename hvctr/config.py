@@ -122,7 +122,8 @@ class MergeConfig:
     compression: Compression = Compression.NONE  # fp16 on the wire; never applied to Adam's v
     # Accuracy at scale (docs/merging.md): W ranks each see 1/W of the data, so averaging
     # their models dilutes progress per sample unless the merge makes up for it.
-    lr_scaling: LrScaling = LrScaling.NONE  # dense_lr and sparse_lr x W (linear) or x sqrt(W), sync and kstep
+    # sqrt: chosen by measurement (BENCHMARKS.md, Accuracy against ranks); none: the rates as given
+    lr_scaling: LrScaling = LrScaling.SQRT  # dense_lr and sparse_lr x W (linear) or x sqrt(W), sync and kstep
     lr_warmup_steps: int = 0  # steps over which the scaled rates ramp up from the base rates (0: at once)
     # Dense outer step on the window's averaged move (SlowMo, arXiv 1910.00643): u = momentum * u
     # + (start - average); params = start - outer_lr * u. outer_lr 1, momentum 0: plain averaging

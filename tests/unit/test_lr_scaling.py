@@ -26,8 +26,13 @@ def test_warmup_ramps_linearly_from_the_base_rates():
 
 def test_no_scaling_gives_the_configured_rates_exactly():
     t = TrainConfig(dense_lr=3e-4, sparse_lr=7e-3)
-    lr = LearningRates(t, MergeConfig(lr_warmup_steps=50), 64)
+    lr = LearningRates(t, MergeConfig(lr_scaling=LrScaling.NONE, lr_warmup_steps=50), 64)
     assert all(lr.dense(s) == 3e-4 and lr.sparse(s) == 7e-3 for s in (0, 1, 49, 50, 10_000))
+
+
+def test_the_default_is_the_square_root_rule():
+    assert MergeConfig().lr_scaling is LrScaling.SQRT
+    assert LearningRates(TrainConfig(), MergeConfig(), 1).factor(0) == 1.0  # one rank: the rates as given
 
 
 def test_config_keys_are_checked():
