@@ -80,10 +80,10 @@ if [ -z "${HOROVOD_GPU_OPERATIONS:-}" ] && command -v nvidia-smi >/dev/null 2>&1
 fi
 
 # --- Horovod from source, cached (install/horovod-wheel.sh: the one place that knows the fix) ---
-if ! have horovod "$HOROVOD_VERSION"; then
+if ! have horovod "$HOROVOD_VERSION" || [ "${HVCTR_HOROVOD_REBUILD:-0}" = 1 ]; then
   WHEEL_DIR=$(install/horovod-wheel.sh "$VPY")
   log "installing Horovod from $WHEEL_DIR"
-  "$VENV/bin/pip" install -q --no-deps "$WHEEL_DIR"/horovod-*.whl
+  "$VENV/bin/pip" install -q --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
 fi
 
 # --- hvctr itself -------------------------------------------------------------------------

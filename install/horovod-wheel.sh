@@ -20,7 +20,7 @@
 # - Needs a C++ compiler, cmake >= 3.13 (else Horovod's setup fetches one from PyPI) and an MPI
 #   with mpicc on PATH (the site's, after `module load`, is what Horovod will use). Any
 #   HOROVOD_* build variable you set is passed on: for GPUs, HOROVOD_GPU_OPERATIONS=NCCL with a
-#   CUDA build of torch (with HVCTR_HOROVOD_REBUILD=1 where a CPU build is cached).
+#   CUDA build of torch (cached apart from the CPU build: the two are never mixed up).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${1:-python3}
@@ -40,7 +40,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 torch_tag=$("$PY" -c "import torch; print(torch.__version__.replace('+', '_'))")
 py_tag=$("$PY" -c 'import sys; print("%d%d" % sys.version_info[:2])')
-WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-torch$torch_tag-py$py_tag"
+# A GPU build (HOROVOD_GPU_OPERATIONS=NCCL) is cached apart from the CPU one: never reused for the other.
+gpu_tag=""; [ -n "${HOROVOD_GPU_OPERATIONS:-}" ] && gpu_tag="-$(echo "$HOROVOD_GPU_OPERATIONS" | tr 'A-Z' 'a-z')"
+WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-torch$torch_tag-py$py_tag$gpu_tag"
 
 if [ "${HVCTR_HOROVOD_REBUILD:-0}" = 1 ] || ! ls "$WHEEL_DIR"/horovod-$HOROVOD_VERSION-*.whl >/dev/null 2>&1; then
   command -v mpicc >/dev/null 2>&1 || die "no mpicc on PATH: install an MPI with its compiler wrappers (Debian: apt-get install libopenmpi-dev openmpi-bin; a cluster: module load openmpi or your site's MPI)"
