@@ -8,13 +8,20 @@ SGD does (Goyal et al., arXiv 1706.02677): both learning rates x W (``linear``) 
 (``sqrt``, the usual rule for Adam), reached over ``merge.lr_warmup_steps`` steps from the
 configured rates. A pure function of (step, W, config): every rank, a resumed run and the
 in-process simulation compute the same rate.
+
+``merge.adam_scaling = sqrt`` also shortens Adam's memory as the world grows: 1 - beta1 and
+1 - beta2 x sqrt(W), eps / W^(1/4). Each step of a rank now stands for about sqrt(W) steps'
+worth of samples, so the moments should average over fewer of them; the form follows the
+SDE scaling rule for Adam (Malladi et al., arXiv 2205.10287: 1 - beta x kappa, eps / sqrt(kappa)
+for a batch kappa times larger), with kappa = sqrt(W), chosen by measurement (kappa = W, the
+rule's own choice for synchronous training, lost AUC at W = 8). It applies to dense and sparse Adam.
 """
 
 from __future__ import annotations
 
 import math
 
-from hvctr.config import LrScaling, MergeConfig, TrainConfig
+from hvctr.config import AdamScaling, LrScaling, MergeConfig, TrainConfig
 
 
 def world_factor(rule: LrScaling, world_size: int) -> float:
@@ -33,6 +40,11 @@ class LearningRates:
         self.base_dense, self.base_sparse = train.dense_lr, train.sparse_lr
         self.target = world_factor(merge.lr_scaling, world_size)
         self.warmup = merge.lr_warmup_steps
+        kappa = math.sqrt(world_size) if merge.adam_scaling is AdamScaling.SQRT else 1.0
+        # Adam's constants at this world size (the configured ones at W = 1 or without adam_scaling)
+        self.beta1 = max(0.0, 1.0 - kappa * (1.0 - train.beta1)) if kappa != 1.0 else train.beta1
+        self.beta2 = max(0.0, 1.0 - kappa * (1.0 - train.beta2)) if kappa != 1.0 else train.beta2
+        self.eps = train.eps / math.sqrt(kappa) if kappa != 1.0 else train.eps
 
     def factor(self, step: int) -> float:
         if self.warmup <= 0 or self.target == 1.0:
@@ -46,8 +58,9 @@ class LearningRates:
         return self.base_sparse * self.factor(step)
 
     def describe(self) -> str:
+        adam = f"; Adam betas ({self.beta1:.4g}, {self.beta2:.6g}), eps {self.eps:.3g}"
         if self.target == 1.0:
-            return f"dense_lr {self.base_dense:g}, sparse_lr {self.base_sparse:g}"
+            return f"dense_lr {self.base_dense:g}, sparse_lr {self.base_sparse:g}{adam}"
         ramp = f" over {self.warmup} warmup steps" if self.warmup else ""
         return (f"dense_lr {self.base_dense:g} -> {self.base_dense * self.target:g}, sparse_lr {self.base_sparse:g} -> "
-                f"{self.base_sparse * self.target:g} (x{self.target:.3g}{ramp})")
+                f"{self.base_sparse * self.target:g} (x{self.target:.3g}{ramp}){adam}")

@@ -112,8 +112,10 @@ class Trainer:
         self.dim = cfg.storage.dim
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
         t = cfg.train
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=t.dense_lr, betas=(t.beta1, t.beta2), eps=t.eps)
-        self.lr = LearningRates(t, cfg.merge, comm.size)  # merge.lr_scaling: the rates of each step at W ranks
+        # merge.lr_scaling, merge.adam_scaling: the rates of each step and Adam's constants at W ranks
+        self.lr = LearningRates(t, cfg.merge, comm.size)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=t.dense_lr, betas=(self.lr.beta1, self.lr.beta2),
+                                          eps=self.lr.eps)
         self.data = TrainData(cfg.data, comm, run_dir=run_dir)
         self.ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", comm,
                                       cfg.checkpoint.keep, cfg.checkpoint.compact_every)
@@ -261,11 +263,10 @@ class Trainer:
         return pos, gathered.grad
 
     def _local_step(self, w: Window, i: int, rows: torch.Tensor) -> None:
-        t = self.cfg.train
         step = self.state.step + i  # this step's index: the same on every rank, and on resume
         pos, grad = self._forward_backward(w, i, rows)
         idx, g = sum_rows_grad(pos, grad, self._batch_unique(w, i))
-        sparse_adam_step(rows, idx, g, self.lr.sparse(step), t.beta1, t.beta2, t.eps)
+        sparse_adam_step(rows, idx, g, self.lr.sparse(step), self.lr.beta1, self.lr.beta2, self.lr.eps)
         self._set_dense_lr(step)
         self.optimizer.step()
 
@@ -285,15 +286,14 @@ class Trainer:
         return w.routing.subset(idx) if w.routing is not None else w.unique_keys[idx]
 
     def _sync_step(self, w: Window, rows: torch.Tensor) -> list[int]:
-        t = self.cfg.train
         with self.meter.phase("compute"):
             pos, grad = self._forward_backward(w, 0, rows)
             idx, g = sum_rows_grad(pos, grad, self._batch_unique(w, 0))
         with self.meter.phase("merge"):
             t0 = time.perf_counter()
             flags = self.reducer.average(self._flags(), name=f"window{w.index}.grads")
-            apply = functools.partial(apply_adam_to_rows, lr=self.lr.sparse(self.state.step), beta1=t.beta1,
-                                      beta2=t.beta2, eps=t.eps)
+            apply = functools.partial(apply_adam_to_rows, lr=self.lr.sparse(self.state.step), beta1=self.lr.beta1,
+                                      beta2=self.lr.beta2, eps=self.lr.eps)
             touched = self._touched_keys(w, idx.cpu().numpy())
             self.table.push_gradients(touched, g, apply, name=f"window{w.index}.sgrads")
             self._merge_ms = 1e3 * (time.perf_counter() - t0)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hvctr.config import LrScaling, MergeConfig, TrainConfig, load_config
+from hvctr.config import AdamScaling, LrScaling, MergeConfig, TrainConfig, load_config
 from hvctr.train.lr import LearningRates
 
 
@@ -42,3 +42,15 @@ def test_config_keys_are_checked():
         load_config(None, ["--merge.lr_warmup_steps=-1"])
     assert load_config(None, ["--merge.lr_scaling=sqrt"]).merge.lr_scaling is LrScaling.SQRT
     assert math.isclose(LearningRates(TrainConfig(), MergeConfig(lr_scaling=LrScaling.SQRT), 2).factor(0), 2 ** 0.5)
+
+
+def test_adam_scaling_shortens_the_moments_memory_by_sqrt_w():
+    t = TrainConfig(beta1=0.9, beta2=0.999, eps=1e-8)
+    lr = LearningRates(t, MergeConfig(adam_scaling=AdamScaling.SQRT), 16)
+    assert lr.beta1 == pytest.approx(1 - 4 * 0.1) and lr.beta2 == pytest.approx(1 - 4 * 0.001)
+    assert lr.eps == pytest.approx(1e-8 / 2)
+    one = LearningRates(t, MergeConfig(adam_scaling=AdamScaling.SQRT), 1)
+    assert (one.beta1, one.beta2, one.eps) == (0.9, 0.999, 1e-8)  # one rank: Adam as configured, exactly
+    off = LearningRates(t, MergeConfig(adam_scaling=AdamScaling.NONE), 64)
+    assert (off.beta1, off.beta2, off.eps) == (0.9, 0.999, 1e-8)
+    assert LearningRates(t, MergeConfig(adam_scaling=AdamScaling.SQRT), 400).beta1 == 0.0  # never negative
