@@ -33,7 +33,7 @@ import torch
 import horovod.torch as hvd
 
 from hvctr.dist.watchdog import CollectiveWatchdog
-from hvctr.dist.world import group_errors, raise_agreed, world_rank  # noqa: F401 (world_rank: callers import it here)
+from hvctr.dist.world import agree_on, world_rank  # noqa: F401 (world_rank: callers import it here)
 
 T = TypeVar("T")
 
@@ -196,13 +196,7 @@ class Comm:
         go on to the next collective: they would wait there for good. Rank 0 reports every
         distinct message once, with the ranks that hit it. ``fn`` must not communicate.
         """
-        try:
-            result, error = fn(), None
-        except ValueError as e:
-            result, error = None, str(e)
-        # comm: allgather of every rank's error (None when it succeeded)
-        raise_agreed(group_errors(self.allgather_object(error, name=name)), self.rank, self.size)
-        return result
+        return agree_on(self, fn, name)  # comm: allgather of every rank's error
 
     def barrier(self) -> None:
         with self._waiting("barrier"):

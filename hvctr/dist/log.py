@@ -13,16 +13,20 @@ import time
 _ROOT = "hvctr"
 
 
-class _RankFormatter(logging.Formatter):
+class RankFormatter(logging.Formatter):
+    """``[r<rank> HH:MM:SS] message``; a subclass may name the rank per record (``tag``)."""
+
     def __init__(self, rank: int, width: int) -> None:
         super().__init__()
         self._tag = f"r{rank:<{width}d}"
-        self._t0 = time.monotonic()
+
+    def tag(self, record: logging.LogRecord) -> str:
+        return self._tag
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
         level = "" if record.levelno == logging.INFO else f"{record.levelname}: "
-        msg = f"[{self._tag} {stamp}] {level}{record.getMessage()}"
+        msg = f"[{self.tag(record)} {stamp}] {level}{record.getMessage()}"
         if record.exc_info:
             msg += "\n" + self.formatException(record.exc_info)
         return msg
@@ -50,12 +54,12 @@ def setup_logging(rank: int = 0, world_size: int = 1, all_ranks: bool = False,
     root.propagate = False
     width = len(str(max(world_size - 1, 0)))
     stream = logging.StreamHandler(sys.stderr if rank else sys.stdout)
-    stream.setFormatter(_RankFormatter(rank, width))
+    stream.setFormatter(RankFormatter(rank, width))
     stream.addFilter(_RankFilter(rank, all_ranks))
     root.addHandler(stream)
     if file:
         fh = logging.FileHandler(file)
-        fh.setFormatter(_RankFormatter(rank, width))
+        fh.setFormatter(RankFormatter(rank, width))
         root.addHandler(fh)
 
 

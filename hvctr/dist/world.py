@@ -107,3 +107,16 @@ def abort_job(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     MPI.COMM_WORLD.Abort(code)
+
+
+def agree_on(comm, fn, name: str):
+    """``fn()`` on every rank of ``comm``; if it raised ValueError on any, every rank raises
+    AgreedError (rank 0 reports each distinct message once, with its ranks). The body of
+    ``Comm.agree`` and of the simulation's ``ThreadComm.agree``. ``fn`` must not communicate."""
+    try:
+        result, error = fn(), None
+    except ValueError as e:
+        result, error = None, str(e)
+    # comm: allgather of every rank's error (None when it succeeded)
+    raise_agreed(group_errors(comm.allgather_object(error, name=name)), comm.rank, comm.size)
+    return result

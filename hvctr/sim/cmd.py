@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from hvctr.config import Config, load_config, write_toml
-from hvctr.dist.log import get_logger
+from hvctr.dist.log import RankFormatter, get_logger
 from hvctr.dist.world import AgreedError, group_errors, raise_agreed
 from hvctr.train.stop import StopRequest
 
@@ -126,20 +126,16 @@ def preflight(cfg: Config, size: int, resume: bool, init_from: str | None) -> Co
 
 # --- logging: every line names its simulated rank ------------------------------------------
 
-class _Formatter(logging.Formatter):
+class _Formatter(RankFormatter):
+    """hvctr.dist.log's line, naming the simulated rank whose thread logged it ("sim": the driver)."""
+
     def __init__(self, world, width: int) -> None:
-        super().__init__()
+        super().__init__(0, width)
         self.world, self.width = world, width
 
-    def format(self, record: logging.LogRecord) -> str:
+    def tag(self, record: logging.LogRecord) -> str:
         rank = self.world.rank_of_thread(record.thread)
-        tag = "sim" if rank is None else f"r{rank:<{self.width}d}"
-        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
-        level = "" if record.levelno == logging.INFO else f"{record.levelname}: "
-        msg = f"[{tag} {stamp}] {level}{record.getMessage()}"
-        if record.exc_info:
-            msg += "\n" + self.formatException(record.exc_info)
-        return msg
+        return "sim" if rank is None else f"r{rank:<{self.width}d}"
 
 
 class _ConsoleFilter(logging.Filter):
@@ -228,12 +224,7 @@ def simulate(cfg: Config, size: int, resume: bool = False, init_from: str | None
             torch.set_num_threads(threads)  # per thread: OpenMP's thread count is a per-thread setting
             trainer = Trainer(cfg, ThreadComm(world, rank), device, run_dir, resume=resume, init_from=init_from,
                               stop=stop)
-            try:
-                summary = trainer.train()
-                if not trainer.preempted:
-                    summary["eval"] = trainer.evaluate("valid")
-            finally:
-                trainer.close()
+            summary = trainer.train_and_evaluate()
             summaries[rank], preempted[rank] = summary, trainer.preempted
         except BaseException as e:  # reported by the main thread, naming this rank
             exc = e

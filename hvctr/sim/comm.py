@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from hvctr.dist.world import group_errors, raise_agreed
+from hvctr.dist.world import agree_on
 
 T = TypeVar("T")
 
@@ -404,13 +404,7 @@ class ThreadComm:
 
     def agree(self, fn: Callable[[], T], name: str) -> T:
         """As Comm.agree: ``fn()`` on every rank; a ValueError on any makes every rank raise."""
-        try:
-            result, error = fn(), None
-        except ValueError as e:
-            result, error = None, str(e)
-        # comm: allgather of every rank's error (None when it succeeded)
-        raise_agreed(group_errors(self.allgather_object(error, name=name)), self.rank, self.size)
-        return result
+        return agree_on(self, fn, name)  # comm: allgather of every rank's error
 
     def barrier(self) -> None:
         # comm: simulated barrier

@@ -130,12 +130,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     log.info(f"working shards: {trainer.shard_dir} (rank 0; from {trainer.shard_dir_source}; "
              f"storage.shard_dir, else the hardware map's SSD, else $SLURM_TMPDIR / $TMPDIR, else the run "
              f"directory{'; scratch: removed at exit' if trainer.shard_scratch else ''})")
-    try:
-        summary = trainer.train()
-        if not trainer.preempted:
-            summary["eval"] = trainer.evaluate("valid")
-    finally:
-        trainer.close()
+    summary = trainer.train_and_evaluate()
     if comm.rank == 0:
         _write_json(run_dir / "summary.json", summary)
         log.info(format_summary(summary))

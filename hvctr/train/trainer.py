@@ -204,6 +204,17 @@ class Trainer:
             self.save_checkpoint()
         return self.summary(prefetch_read_s=source.read_seconds)
 
+    def train_and_evaluate(self) -> dict[str, Any]:
+        """The job of `hvctr train` (and of each rank of `hvctr simulate`): train, then, unless
+        preempted, the validation metrics as the summary's "eval"; the trainer is closed after."""
+        try:
+            summary = self.train()
+            if not self.preempted:
+                summary["eval"] = self.evaluate("valid")
+        finally:
+            self.close()
+        return summary
+
     def _advance(self, window: Window, schedule: Schedule) -> None:
         s = self.state
         s.window = window.index + 1
