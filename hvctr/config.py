@@ -130,7 +130,7 @@ class MergeConfig:
     # sqrt: chosen by measurement (BENCHMARKS.md, Accuracy against ranks); none: the rates as given
     lr_scaling: LrScaling = LrScaling.SQRT  # dense_lr and sparse_lr x W (linear) or x sqrt(W), sync and kstep
     lr_warmup_steps: int = 0  # steps over which the scaled rates ramp up from the base rates (0: at once)
-    adam_scaling: AdamScaling = AdamScaling.NONE  # Adam's betas and eps for W ranks (hvctr.train.lr)
+    adam_scaling: AdamScaling = AdamScaling.SQRT  # Adam's betas and eps for W ranks (hvctr.train.lr); none: as given
     # Dense outer step on the window's averaged move (SlowMo, arXiv 1910.00643): u = momentum * u
     # + (start - average); params = start - outer_lr * u. outer_lr 1, momentum 0: plain averaging
     outer_lr: float = 1.0

@@ -31,7 +31,7 @@ def test_no_scaling_gives_the_configured_rates_exactly():
 
 
 def test_the_default_is_the_square_root_rule():
-    assert MergeConfig().lr_scaling is LrScaling.SQRT
+    assert MergeConfig().lr_scaling is LrScaling.SQRT and MergeConfig().adam_scaling is AdamScaling.SQRT
     assert LearningRates(TrainConfig(), MergeConfig(), 1).factor(0) == 1.0  # one rank: the rates as given
 
 
