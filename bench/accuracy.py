@@ -92,9 +92,30 @@ def key_of(r: dict, rule: str) -> str:
     return f"{r['how']}|{r['data']}|{rule}|{r['mode']}|{r['ranks']}"
 
 
+# Rule names used in BENCHMARKS.md and what they set (besides the mode); "defaults" is the config's.
+LEGEND = {
+    "defaults": "the defaults: merge.lr_scaling = sqrt, merge.adam_scaling = sqrt",
+    "none": "--merge.lr_scaling=none --merge.adam_scaling=none (the rates and Adam as configured)",
+    "lr-sqrt": "lr_scaling = sqrt, adam_scaling = none", "lr-linear": "lr_scaling = linear, adam_scaling = none",
+    "lr-linear+wu16": "lr-linear with lr_warmup_steps = 16", "lr-sqrt+wu16": "lr-sqrt with lr_warmup_steps = 16",
+    "lr-w^0.75": "both rates x W^0.75 (an experiment, not a config value)",
+    "lr-w^0.75+adam": "both rates x W^0.75 and adam_scaling = sqrt (experiment)",
+    "lr-w^0.75+wu16": "both rates x W^0.75, warmup 16 steps (experiment)",
+    "lr-sqrt+outer-mom0.5": "lr-sqrt with outer_momentum = 0.5 (SlowMo)",
+    "lr-sqrt+states-pmv": "lr-sqrt with states = params+m+v (the seed paper's k-step Adam)",
+    "lr-sqrt+sparse-sum": "lr-sqrt with sparse_rule = sum", "lr-sqrt+sparse-sqrt": "lr-sqrt with sparse_rule = sqrt",
+    "none+sparse-sqrt": "none with sparse_rule = sqrt",
+    "lr-sqrt-dense-only": "dense rate x sqrt(W), sparse rate as configured (experiment)",
+    "lr-sqrt-dense-only+sparse-sqrt": "lr-sqrt-dense-only with sparse_rule = sqrt (experiment)",
+    "lr-sqrt+adam-kappa-W": "lr-sqrt with Adam's 1 - beta x W, eps / sqrt(W) (Malladi et al.'s own kappa; experiment)",
+    "defaults+sparse-sqrt": "the defaults with sparse_rule = sqrt",
+}
+
+
 def render(results: dict[str, dict], command: str) -> str:
-    lines = [SECTION, "", f"Command: `{command}`  ", f"Machine: {machine_line()}", "",
-             "Test AUC (and its gap to W = 1 of the same mode and rule) after one epoch over the same data, "
+    shown = command if command.startswith("Commands:") else f"Command: `{command}`"
+    lines = [SECTION, "", f"{shown}  ", f"Machine: {machine_line()}", "",
+             "Test AUC (its gap to W = 1 of the same data and mode), logloss, after one epoch over the same data, "
              "W simulated ranks (`hvctr simulate`: the real runtime, bit-equal to `mpirun -np W` at W = 2, 3) "
              "unless marked real.", ""]
     rows: dict[tuple, dict[int, dict]] = {}
@@ -107,8 +128,10 @@ def render(results: dict[str, dict], command: str) -> str:
     for (data, rule, mode, how), by_w in sorted(rows.items()):
         # the baseline: W = 1 of this rule (a rule can act at W = 1: an outer step), else any rule's
         # W = 1 of the data and mode (the rates and Adam's constants of every rule are the configured ones at W = 1)
-        base = rows.get((data, rule, mode, "sim"), {}).get(1) or next(
-            (r[1] for (d, _, m, h), r in sorted(rows.items()) if d == data and m == mode and h == "sim" and 1 in r), None)
+        # (at W = 1 the modes coincide too: one rank's Adam, merged with itself)
+        ones = [r[1] for (d, _, m, h), r in sorted(rows.items(), key=lambda kv: kv[0][2] != mode) if d == data
+                and h == "sim" and 1 in r]
+        base = rows.get((data, rule, mode, "sim"), {}).get(1) or (ones[0] if ones else None)
         cells = []
         for w in worlds:
             r = by_w.get(w)
@@ -116,10 +139,12 @@ def render(results: dict[str, dict], command: str) -> str:
                 cells.append("")
                 continue
             gap = "" if not base or w == 1 else f" ({r['auc'] - base['auc']:+.4f})"
-            cells.append(f"{r['auc']:.4f}{gap}")
+            cells.append(f"{r['auc']:.4f}{gap}, {r['logloss']:.4f}")
         mode_name = "sync" if mode == "sync" else f"k={mode}"
         batch = next(iter(by_w.values())).get("batch", 4096)
         lines.append(f"| {data}, B={batch} | {rule} | {mode_name} | {how} | " + " | ".join(cells) + " |")
+    named = sorted({k.split("|")[2] for k in results} & set(LEGEND))
+    lines += ["", "Rules:", ""] + [f"- {n}: {LEGEND[n]}" for n in named]
     return "\n".join(lines) + "\n"
 
 
