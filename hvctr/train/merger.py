@@ -69,6 +69,8 @@ class KStepMerger(_DenseReducer):
 
     def _outer_step(self) -> None:
         """params (the average, in place) <- start - outer_lr * u, u = momentum * u + (start - average)."""
+        if len(self.start) != len(self.params):
+            raise RuntimeError("KStepMerger: the outer step needs the window's start: call mark_start() first")
         lr, beta = self.cfg.outer_lr, self.cfg.outer_momentum
         for p, start, u in zip(self.params, self.start, self.momentum):
             u.mul_(beta).add_(start - p.detach())
