@@ -109,6 +109,7 @@ LEGEND = {
     "lr-sqrt-dense-only+sparse-sqrt": "lr-sqrt-dense-only with sparse_rule = sqrt (experiment)",
     "lr-sqrt+adam-kappa-W": "lr-sqrt with Adam's 1 - beta x W, eps / sqrt(W) (Malladi et al.'s own kappa; experiment)",
     "defaults+sparse-sqrt": "the defaults with sparse_rule = sqrt",
+    "defaults+states-pmv": "the defaults with states = params+m+v (Adam's moments merged too)",
 }
 
 
