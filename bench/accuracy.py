@@ -78,10 +78,8 @@ def run_one(how: str, data: str, world: int, mode: str, flags: list[str], work: 
         r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-        summary = json.loads((run_dir / "summary.json").read_text())
-        ev = summary.get("eval") or summary.get("final_eval") or {}
-        out = {"auc": ev.get("auc", summary.get("auc")), "logloss": ev.get("logloss", summary.get("logloss")),
-               "steps": summary.get("steps")}
+        summary = json.loads((run_dir / "summary.json").read_text())  # hvctr train's: the eval under "eval"
+        out = {"auc": summary["eval"]["auc"], "logloss": summary["eval"]["logloss"], "steps": summary["steps"]}
     shutil.rmtree(run_dir / "shards", ignore_errors=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return {"how": how, "data": Path(data).name, "batch": batch, "ranks": world, "mode": mode, "flags": flags,

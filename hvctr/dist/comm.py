@@ -82,21 +82,20 @@ class Comm:
 
     # --- reductions -------------------------------------------------------------------
 
-    def allreduce_sum(self, tensors: Sequence[torch.Tensor], name: str,
-                      compression: Any = None) -> list[torch.Tensor]:
-        """Elementwise sums over ranks of a list of tensors, in one grouped allreduce."""
+    def allreduce_sum(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """Elementwise sums over ranks of a list of tensors, in one grouped allreduce. (fp16 on the
+        wire is the merger's own cast, merge.compression: no Horovod compressor is used.)"""
         if not tensors:
             return []
         staged, devices = _staged(tensors)
         with self._waiting(name):
             # comm: one grouped allreduce (Sum) of every tensor in the list
-            out = hvd.grouped_allreduce(staged, op=hvd.Sum, name=name, compression=compression or hvd.Compression.none)
+            out = hvd.grouped_allreduce(staged, op=hvd.Sum, name=name)
         return _unstaged(out, devices)
 
-    def allreduce_avg(self, tensors: Sequence[torch.Tensor], name: str,
-                      compression: Any = None) -> list[torch.Tensor]:
+    def allreduce_avg(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
         """Means over ranks: the sum (one grouped allreduce) divided by the world size."""
-        return [t / self.size for t in self.allreduce_sum(tensors, name, compression)]
+        return [t / self.size for t in self.allreduce_sum(tensors, name)]
 
     def allreduce_sum_hierarchical(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
         """Sums over ranks, reducing inside each node first and crossing nodes once per node.

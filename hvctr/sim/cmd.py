@@ -182,13 +182,7 @@ def _setup_logging(world, run_dir: Path, all_ranks: bool) -> list[logging.Handle
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """This process's peak resident set (ru_maxrss: KiB on Linux, the same figure as VmHWM)."""
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -283,9 +283,7 @@ class ThreadComm:
 
     # --- reductions -------------------------------------------------------------------
 
-    def allreduce_sum(self, tensors: Sequence[torch.Tensor], name: str, compression: Any = None) -> list[torch.Tensor]:
-        if compression is not None:
-            raise NotImplementedError("ThreadComm.allreduce_sum: Horovod compression objects are not simulated")
+    def allreduce_sum(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
         tensors = list(tensors)
         if not tensors:
             return []
@@ -295,8 +293,8 @@ class ThreadComm:
                            lambda vals: _clone_each(self.world.sum_lists(vals), self.size))
         return [s.clone().to(d) for s, d in zip(summed, devices)]
 
-    def allreduce_avg(self, tensors: Sequence[torch.Tensor], name: str, compression: Any = None) -> list[torch.Tensor]:
-        return [t / self.size for t in self.allreduce_sum(tensors, name, compression)]
+    def allreduce_avg(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+        return [t / self.size for t in self.allreduce_sum(tensors, name)]
 
     def allreduce_sum_hierarchical(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
         tensors = list(tensors)
@@ -411,4 +409,4 @@ class ThreadComm:
         self._run("barrier", "barrier", None, lambda vals: [None] * self.size)
 
     def shutdown(self) -> None:
-        pass
+        """Nothing to release: the world ends when its last rank finishes."""

@@ -219,24 +219,8 @@ def test_agree_raises_on_every_rank_when_one_fails():
         except AgreedError as e:
             return str(e), e.report
 
-    world = ThreadWorld(3)
-    results = [None] * 3
-
-    def main(rank):
-        exc = None
-        try:
-            world.enter(rank)
-            results[rank] = fn(ThreadComm(world, rank))
-        except BaseException as e:
-            exc = e
-        finally:
-            world.finish(rank, exc)
-
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    results, errors, _ = run_ranks(3, fn, timeout=10)
+    assert errors == [None] * 3
     assert results == [("rank 2: bad shard", True), ("rank 2: bad shard", False), ("rank 2: bad shard", False)]
 
 
