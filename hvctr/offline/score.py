@@ -6,7 +6,9 @@ A reference for serving code: it reads only the export (hvctr export), parses th
 data_prep's parser and key rule (Criteo TSV, or CSV with a header; gzip too), and computes
 what the trainer's evaluation computes for the same rows, bit for bit:
 
-- a key found in the tables reads its (w, w1); a key in none reads the row the trainer's
+- a key found in the tables reads its (w, w1), widened to float32 from the export's row
+  format (float16, or int8 rows times their scale plus their bias: bit for bit the trainer's
+  only for float32); a key in none reads the row the trainer's
   evaluation gives it: its init row from the key, or the shared zero row when admission is on;
 - the rows sit in a full-width row buffer, as in the trainer, so the model reads them through
   the same strides;
@@ -37,7 +39,7 @@ from hvctr.config import ModelArch, ModelConfig
 from hvctr.formats import owner_of
 from hvctr.train.metrics import EvalAccumulator
 from hvctr.models import build_model
-from hvctr.offline.export import FORMAT, FORMAT_VERSION
+from hvctr.offline.export import FORMAT, FORMAT_VERSION, ROW_FORMATS, dequantize_int8_rowwise
 from hvctr.formats import RowLayout, init_rows
 
 
@@ -93,6 +95,10 @@ class ExportedModel:
                 f = self.dir / rec["file"]
                 if not f.is_file() or f.stat().st_size != rec["bytes"] or file_sha256(f) != rec["sha256"]:
                     raise ValueError(f"{f} is missing or does not match its checksum in {path}")
+        self.row_format = m.get("row_format", "float32")  # exports before --rows: float32
+        if self.row_format not in ROW_FORMATS:
+            raise ValueError(f"{path}: row_format {self.row_format!r} is not one this hvctr reads "
+                             f"({', '.join(ROW_FORMATS)}): score it with the hvctr that exported it")
         self.manifest = m
         self.dim = int(m["model"]["dim"])
         self.layout = RowLayout(self.dim)
@@ -103,9 +109,19 @@ class ExportedModel:
         for rank in range(m["world_size"]):
             with h5py.File(self.dir / "sparse" / f"rank-{rank:05d}.h5", "r") as f:
                 self.keys.append(f["keys"][...])
-                self.weights.append(f["weights"][...])
+                self.weights.append(self._read_weights(f))
                 if rank == 0:
                     self.bucket_owner = f["bucket_owner"][...]
+
+    def _read_weights(self, f: h5py.File) -> np.ndarray:
+        """The file's rows as float32 [n, dim + 1], whatever the row format."""
+        stored = f.attrs.get("row_format", "float32")
+        if stored != self.row_format:
+            raise ValueError(f"{f.filename}: row_format {stored!r}, the manifest says {self.row_format!r}")
+        w = f["weights"][...]
+        if self.row_format == "int8":
+            return dequantize_int8_rowwise(w, f["scale_bias"][...])
+        return w.astype(np.float32)  # float16 widens exactly; float32 as stored
 
     def _load_dense(self, m: dict) -> torch.nn.Module:
         mc = m["model"]

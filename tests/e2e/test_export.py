@@ -114,3 +114,37 @@ def test_score_rejects_a_corrupt_export_and_a_bad_line(data, tmp_path, capsys):
     (exp / "manifest.json").write_text(text.replace('"batch_size": ', '"batch_size": 1', 1))
     assert main(["score", "--model", str(exp), "--input", str(mixed)]) == 2
     assert "manifest.json does not match its own checksum" in capsys.readouterr().err
+
+
+def test_compressed_rows_score_close_to_float32(data, tmp_path, capsys):
+    """--rows fp16 / int8: the manifest and the files say the format, the rows' bytes shrink
+    (int8 at dim 8: 13 bytes a row against 36), the scores stay close to the float32 export's;
+    an export whose row_format this hvctr does not know is refused by name."""
+    train_dir, mixed = data
+    run = tmp_path / "run"
+    train(2, run, train_dir, "--train.max_steps=16")
+    preds, manifests = {}, {}
+    for rows in ("fp32", "fp16", "int8"):
+        exp = tmp_path / f"export-{rows}"
+        assert main(["export", "--run-dir", str(run), "--out", str(exp), "--rows", rows]) == 0
+        manifests[rows] = m = read_manifest(exp / "manifest.json")
+        with h5py.File(exp / "sparse" / "rank-00000.h5", "r") as f:
+            assert f.attrs["row_format"] == m["row_format"]
+            assert f["weights"].dtype == {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8}[rows]
+        assert main(["score", "--model", str(exp), "--input", str(mixed), "--out", str(tmp_path / f"{rows}.txt")]) == 0
+        preds[rows] = np.loadtxt(tmp_path / f"{rows}.txt")
+    assert [manifests[r]["row_format"] for r in preds] == ["float32", "float16", "int8"]
+    n = manifests["fp32"]["rows"]
+    assert manifests["fp32"]["row_bytes"] == n * 9 * 4 and manifests["fp16"]["row_bytes"] == n * 9 * 2
+    assert manifests["int8"]["row_bytes"] == n * (9 + 4)
+    assert np.abs(preds["fp16"] - preds["fp32"]).max() < 1e-3
+    assert np.abs(preds["int8"] - preds["fp32"]).max() < 1e-2
+    assert not np.array_equal(preds["int8"], preds["fp32"])  # the rows were read as quantised
+
+    exp = tmp_path / "export-int8"
+    m = manifests["int8"]
+    m["row_format"] = "int4"
+    write_manifest(exp / "manifest.json", m)
+    capsys.readouterr()
+    assert main(["score", "--model", str(exp), "--input", str(mixed)]) == 2
+    assert "row_format 'int4' is not one this hvctr reads (float32, float16, int8)" in capsys.readouterr().err
