@@ -75,10 +75,16 @@ def hvctr_run(work: Path, data: Path, name: str, flags: list[str]) -> dict[str, 
             shutil.rmtree(run_dir / big, ignore_errors=True)
     s = json.loads((run_dir / "summary.json").read_text())
     return {"system": name.split(".")[0], "samples_per_s": s["samples_per_s"], "auc": s["eval"]["auc"],
-            "logloss": s["eval"]["logloss"], "copc": s["eval"]["copc"], "time_split_s": s["time_split_s"],
+            "logloss": s["eval"]["logloss"], "calibration": _calibration(s["eval"]), "time_split_s": s["time_split_s"],
             "dense_bytes_per_sample": s["dense_bytes_per_sample"], "sparse_bytes_per_sample": s["sparse_bytes_per_sample"],
             "cache_hit_rate": s["store"]["cache_hit_rate"], "shard_rows_rank0": s["store"]["shard_rows"],
             "flags": flags}
+
+
+def _calibration(ev: dict[str, Any]) -> float:
+    """Predicted CTR / actual CTR. Summaries written before hvctr had "calibration" (issue 16)
+    held this ratio under "copc"; since then "copc" is actual / predicted, as Paddle's."""
+    return ev["calibration"] if "calibration" in ev else ev["copc"]
 
 
 def reference_run(work: Path, data: Path, which: str, tag: str) -> dict[str, Any]:
@@ -155,18 +161,19 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
               f"{k8['sparse_bytes_per_sample'] / sync['sparse_bytes_per_sample']:.3f} |",
               f"| samples/s (median) | {sps['hvctr_sync']:,.0f} | {sps['hvctr_k8']:,.0f} | {sps['hvctr_k8'] / sps['hvctr_sync']:.2f} |",
               f"| AUC | {sync['auc']:.4f} | {k8['auc']:.4f} | {k8['auc'] - sync['auc']:+.4f} |", "",
-              f"The k sweep and merge.states (one run each; k = 8 {DEFAULT_STATES}, the default, from the last round):", "",
-              "| run | k | merge.states | samples/s | AUC | logloss | COPC | dense B/sample | sparse B/sample |",
+              f"The k sweep and merge.states (one run each; k = 8 {DEFAULT_STATES}, the default, from the last round; "
+              "calibration = predicted CTR / actual CTR, 1 / COPC):", "",
+              "| run | k | merge.states | samples/s | AUC | logloss | calibration | dense B/sample | sparse B/sample |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in [*res["sweep"][:3], k8, *res["sweep"][3:], *res["extra"]]:
         k = next((f.split("=")[1] for f in r["flags"] if "every_k_steps" in f), "-")
         st = next((f.split("=")[1] for f in r["flags"] if "states" in f), DEFAULT_STATES)
         lines.append(f"| {r['system']} | {k} | {st} | {r['samples_per_s']:,.0f} | {r['auc']:.4f} | {r['logloss']:.4f} | "
-                     f"{r['copc']:.3f} | {r['dense_bytes_per_sample']:.1f} | {r['sparse_bytes_per_sample']:.1f} |")
+                     f"{r['calibration']:.3f} | {r['dense_bytes_per_sample']:.1f} | {r['sparse_bytes_per_sample']:.1f} |")
     fp16, ooc = res["extra"]
     by_states = {DEFAULT_STATES: k8, **dict(zip(OTHER_STATES, res["sweep"][3:]))}
     lines += ["", "merge.states at k = 8: " + "; ".join(
-        f"`{st}` AUC {r['auc']:.4f}, logloss {r['logloss']:.4f}, COPC {r['copc']:.3f}, dense "
+        f"`{st}` AUC {r['auc']:.4f}, logloss {r['logloss']:.4f}, calibration {r['calibration']:.3f}, dense "
         f"{r['dense_bytes_per_sample']:.1f} B/sample ({r['dense_bytes_per_sample'] / sync['dense_bytes_per_sample']:.3f}x sync)"
         for st, r in by_states.items()) + f". The default is `{DEFAULT_STATES}` (hvctr.config says why)."]
     lines += ["", f"fp16 compression at k = 8 costs {round(k8['auc'] - fp16['auc'], 4) + 0.0:+.4f} AUC (k = 8 minus fp16) and sends "

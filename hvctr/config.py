@@ -190,6 +190,9 @@ class MetricsConfig:
     log_every_steps: int = 20
     all_ranks: bool = False  # every rank prints, not only rank 0
     auc_buckets: int = 1 << 16  # histogram buckets for AUC (error well under 1e-3)
+    # validation (AUC, logloss, NE, COPC: read-only, as hvctr eval) every this many windows,
+    # into metrics.jsonl and the log; 0: only at the end. Each pass reads the whole validation split
+    eval_every_windows: int = 0
 
 
 @dataclass(frozen=True)
@@ -419,6 +422,8 @@ def _validate(cfg: Config) -> None:
     _require(cfg.checkpoint.every_windows >= 0, "checkpoint.every_windows", "must be >= 0")
     _require(cfg.checkpoint.compact_every >= 1, "checkpoint.compact_every", "must be >= 1")
     _require(cfg.metrics.log_every_steps >= 1, "metrics.log_every_steps", "must be >= 1")
+    _require(cfg.metrics.eval_every_windows >= 0, "metrics.eval_every_windows",
+             f"must be >= 0, got {cfg.metrics.eval_every_windows}")
 
 
 # --- the ``hvctr config`` command: shows the configuration a run would use, and checks it ---

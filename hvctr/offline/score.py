@@ -70,7 +70,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.out:
         os.replace(args.out + ".tmp", args.out)
     r = acc.result()
-    print(f"hvctr score: {r['count']:,} rows  AUC {r['auc']:.4f}  logloss {r['logloss']:.4f}  COPC {r['copc']:.3f}",
+    print(f"hvctr score: {r['count']:,} rows  AUC {r['auc']:.4f}  logloss {r['logloss']:.4f}  "
+          f"NE {r['ne']:.4f}  COPC {r['copc']:.3f}",
           file=sys.stderr)
     return 0
 

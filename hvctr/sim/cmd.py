@@ -23,7 +23,7 @@ with ``--train.threads=1`` (or the same value).
 The run directory is a ``hvctr train`` run directory of W ranks: ``config.toml`` (what ran),
 ``logs/rank-NNNNN.log``, ``metrics.jsonl``, ``checkpoints/`` (``hvctr export`` reads it;
 ``mpirun -np W hvctr eval`` too), ``shards/``, and ``summary.json`` with the validation AUC,
-logloss and COPC and a ``simulate`` section (ranks, wall time, peak RSS). The last line on
+logloss, NE and COPC and a ``simulate`` section (ranks, wall time, peak RSS). The last line on
 stdout is that summary's headline as one JSON object.
 
 Memory. The process (python, torch, h5py) takes about 0.5 GB; every simulated rank adds,
@@ -286,7 +286,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     log.info(format_summary(summary))
     sim, ev = summary["simulate"], summary.get("eval", {})
     line = {"ranks": args.ranks, "run_dir": str(run_dir), "auc": ev.get("auc"), "logloss": ev.get("logloss"),
-            "copc": ev.get("copc"), "steps": summary["steps"], "samples": summary["samples"],
+            "ne": ev.get("ne"), "copc": ev.get("copc"), "steps": summary["steps"], "samples": summary["samples"],
             "mode": cfg.merge.mode.value, "every_k_steps": cfg.merge.every_k_steps, "wall_s": sim["wall_s"],
             "peak_rss_bytes": sim["peak_rss_bytes"], "preempted": stopped}
     print(json.dumps(line), flush=True)

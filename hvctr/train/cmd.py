@@ -114,15 +114,29 @@ def _device(cfg: Config, planned: str) -> str:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     stop = StopRequest().install()  # before the seconds of set-up: a preemption signal must not kill us
-    cfg = preflight(args.config, overrides, resume=args.resume, init_from=args.init_from)
+    checked = preflight(args.config, overrides, resume=args.resume, init_from=args.init_from)
+    try:
+        return _train(args, checked, stop)
+    finally:
+        if checked.lock is not None:
+            checked.lock.release()
+
+
+def _train(args: argparse.Namespace, checked, stop: StopRequest) -> int:
+    cfg = checked.cfg
     run_dir = Path(cfg.train.run_dir)
     comm, device, ssd_dir = _start(cfg, run_dir, "train")
     from hvctr.train import preflight as _preflight
+    from hvctr.train.rundir import write_identity
     from hvctr.train.trainer import Trainer
 
-    if comm.rank == 0:
+    if comm.rank == 0:  # only now: a refused resume has left the run directory as it was
+        if checked.identity is not None:
+            write_identity(run_dir, checked.identity)
         write_toml(cfg, run_dir / "config.toml")
     log.info(f"hvctr train: {comm.size} ranks on {comm.num_nodes} node(s), run dir {run_dir}, device {device}")
+    for note in checked.notes:
+        log.warning(note)
     if _preflight.sizing_note:
         log.info(_preflight.sizing_note)
     trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume, init_from=args.init_from, stop=stop,
@@ -144,7 +158,16 @@ def run_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.toml").is_file():
         raise ValueError(f"{run_dir} is not a run directory: {run_dir / 'config.toml'} is missing")
-    cfg = preflight(str(run_dir / "config.toml"), overrides, resume=True, eval_only=True, run_dir=run_dir)
+    checked = preflight(str(run_dir / "config.toml"), overrides, resume=True, eval_only=True, run_dir=run_dir,
+                        command="hvctr eval")
+    try:
+        return _eval(args, checked.cfg, run_dir)
+    finally:
+        if checked.lock is not None:
+            checked.lock.release()
+
+
+def _eval(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
     comm, device, ssd_dir = _start(cfg, run_dir, "eval")
     from hvctr.train.trainer import Trainer
 
@@ -168,13 +191,14 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    ev = s.get("eval", {})
+    ev, nan = s.get("eval", {}), float("nan")
     split = s["time_split_s"]
     total = max(sum(split.values()), 1e-9)
     lines = [
         "summary",
-        f"  validation     AUC {ev.get('auc', float('nan')):.4f}   logloss {ev.get('logloss', float('nan')):.4f}"
-        f"   COPC {ev.get('copc', float('nan')):.3f}   ({ev.get('count', 0):,.0f} rows)",
+        f"  validation     AUC {ev.get('auc', nan):.4f}   logloss {ev.get('logloss', nan):.4f}   "
+        f"NE {ev.get('ne', nan):.4f}   COPC {ev.get('copc', nan):.3f} (actual / predicted CTR)   "
+        f"({ev.get('count', 0):,.0f} rows)",
         f"  throughput     {s['samples_per_s']:,.0f} samples/s   {s['samples']:,} samples in {s['seconds']:.1f} s",
         "  time split     " + "   ".join(f"{k} {v:.1f} s ({100 * v / total:.0f}%)" for k, v in split.items()),
         f"  merge bytes    dense {s['dense_bytes_per_sample']:.1f} B/sample   sparse {s['sparse_bytes_per_sample']:.1f} B/sample",

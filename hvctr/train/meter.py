@@ -1,5 +1,10 @@
 """What a run reports: progress lines on rank 0, a JSON-lines metrics file, a closing summary.
 
+metrics.jsonl (rank 0) holds one JSON object a line: ``"event": "progress"`` every
+``metrics.log_every_steps`` (training loss since the last line, samples/s, ETA, cache hit rate),
+``"event": "eval"`` every ``metrics.eval_every_windows`` and at the end (validation AUC,
+logloss, NE, COPC, calibration; read-only, as ``hvctr eval``). ``hvctr report`` draws it.
+
 Time is split into the phases a user tunes against: compute (forward, backward, optimiser),
 pull (working-set rows from their owners), merge (dense allreduce and sparse push), io (data
 reading in the main thread, checkpoints). Prefetch time overlaps training and is reported apart.
@@ -7,6 +12,7 @@ reading in the main thread, checkpoints). Prefetch time overlaps training and is
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 from contextlib import contextmanager
@@ -31,8 +37,22 @@ class Meter:
         self._t_start = time.perf_counter()
         self._t_last = self._t_start
         self._steps_last = 0
+        self._step0 = 0  # the step this process started at (a resumed run's checkpoint)
+        self._train_s = 0.0  # seconds between progress lines, evaluation excluded: the ETA's rate
+        self.excluded_s = 0.0  # validation passes during training: not in elapsed()
         self._loss_sum = 0.0
         self._loss_n = 0
+
+    def start(self, step: int) -> None:
+        """Training starts (or resumes) at ``step``: rates and the ETA count from here."""
+        self._step0 = self._steps_last = step
+        self._t_last = time.perf_counter()
+        self._train_s = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent outside training (a validation pass) that rates and the ETA leave out."""
+        self._t_last += seconds
+        self.excluded_s += seconds
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -58,23 +78,50 @@ class Meter:
             return
         now = time.perf_counter()
         rate = (step - self._steps_last) * self.global_batch / max(now - self._t_last, 1e-9)
+        self._train_s += max(now - self._t_last, 0.0)
+        eta = eta_seconds(step - self._step0, total_steps - step, self._train_s)
         loss = self._loss_sum / max(self._loss_n, 1)
         event = {"event": "progress", "step": step, "samples_per_s": round(rate, 1),
-                 "loss": round(loss, 5), **extra}
+                 "loss": round(loss, 5), "eta_s": None if eta is None else round(eta, 1), **extra}
         self.record(event)
         pct = 100.0 * step / max(total_steps, 1)
         hit = extra.get("cache_hit_rate")
         log.info(
             f"step {step}/{total_steps} ({pct:4.1f}%)  {rate:,.0f} samples/s  loss {loss:.4f}  "
             + (f"cache hit {hit:.3f}  " if hit is not None else "")
-            + f"ws rows {extra.get('working_set_rows', 0):,}  merge {extra.get('merge_ms', 0):.1f} ms")
+            + f"ws rows {extra.get('working_set_rows', 0):,}  merge {extra.get('merge_ms', 0):.1f} ms  "
+            + format_eta(eta))
         self._t_last, self._steps_last = now, step
         self._loss_sum, self._loss_n = 0.0, 0
 
+    def log_eval(self, step: int, samples: int, result: dict[str, Any], seconds: float, final: bool = False) -> None:
+        """A validation pass: one "eval" line in metrics.jsonl and one log line."""
+        self.record({"event": "eval", "split": "valid", "step": step, "samples": samples, "final": final,
+                     "seconds": round(seconds, 3), **result})
+        log.info(f"validation at step {step} ({samples:,} samples): AUC {result['auc']:.4f}  "
+                 f"logloss {result['logloss']:.4f}  NE {result['ne']:.4f}  COPC {result['copc']:.3f}  "
+                 f"({seconds:.1f} s)")
+
     def elapsed(self) -> float:
-        return time.perf_counter() - self._t_start
+        """Seconds since the meter started, validation passes during training left out."""
+        return time.perf_counter() - self._t_start - self.excluded_s
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def eta_seconds(steps_done: int, steps_left: int, seconds: float) -> float | None:
+    """Seconds to go at the mean rate so far; None before any step was timed."""
+    if steps_done <= 0 or seconds <= 0:
+        return None
+    return steps_left * seconds / steps_done
+
+
+def format_eta(eta: float | None, now: float | None = None) -> str:
+    """``eta 0:12:05 (2026-12-01 21:40)``: time left, then the local date and time it ends."""
+    if eta is None:
+        return "eta -"
+    end = datetime.datetime.fromtimestamp((time.time() if now is None else now) + eta)
+    return f"eta {datetime.timedelta(seconds=round(eta))} ({end:%Y-%m-%d %H:%M})"

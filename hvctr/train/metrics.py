@@ -1,4 +1,4 @@
-"""Evaluation metrics from histograms that ranks can sum: AUC, logloss, COPC.
+"""Evaluation metrics from histograms that ranks can sum: AUC, logloss, NE, COPC, calibration.
 
 Each rank adds its predictions to an EvalAccumulator: positives and negatives counted per
 prediction bucket, plus sums of logloss, predicted probability, labels and the count. These
@@ -8,7 +8,19 @@ gathering predictions on rank 0):
     acc = EvalAccumulator(cfg.metrics.auc_buckets)
     for batch in valid: acc.add_logits(model(...), labels)
     total = EvalAccumulator.from_tensors(comm.allreduce_sum(acc.tensors(), name="eval"))
-    total.result()  # {"auc", "logloss", "copc", "count", "ctr", "pred_ctr", "auc_bin_error"}
+    total.result()  # {"auc", "logloss", "ne", "copc", "calibration", "count", "ctr", "pred_ctr", ...}
+
+The names follow the field's conventions, so a figure reads the same as in the papers and
+tools it is compared with:
+
+- ``ne``, normalized entropy (He et al., "Practical Lessons from Predicting Clicks on Ads at
+  Facebook", 2014; TorchRec's NE): logloss / H(ctr), where H(p) = -(p log p + (1-p) log(1-p))
+  is the logloss of always predicting the observed CTR. Below 1 the model beats that constant;
+  unlike logloss it does not move with the data set's base rate.
+- ``copc``, clicks over predicted clicks, as Paddle's fleet_util computes it: actual CTR /
+  predicted CTR = sum(labels) / sum(predictions). Above 1 the model under-predicts.
+- ``calibration``, TorchRec's CalibrationMetric: predicted / actual = 1 / copc. Above 1 the
+  model over-predicts. (hvctr before issue 16 printed this ratio under the name COPC.)
 
 Buckets are uniform in the logit, not in the probability: CTR predictions crowd near 0
 (0.001-0.3), where uniform probability buckets are coarse in relative terms, while in the
@@ -103,7 +115,8 @@ class EvalAccumulator:
     # Result ------------------------------------------------------------------------------
 
     def result(self) -> dict[str, float]:
-        """AUC (nan without both classes), logloss, COPC = pred_ctr / ctr, and their inputs."""
+        """AUC (nan without both classes), logloss, NE = logloss / H(ctr), COPC = ctr / pred_ctr,
+        calibration = pred_ctr / ctr, and their inputs."""
         neg, pos = self.hist[0], self.hist[1]
         n_neg, n_pos = float(neg.sum()), float(pos.sum())
         loss_sum, prob_sum, label_sum, count = (float(x) for x in self.sums)
@@ -114,12 +127,25 @@ class EvalAccumulator:
         else:
             auc = bin_error = math.nan
         nan = math.nan
+        logloss = loss_sum / count if count else nan
+        ctr = label_sum / count if count else nan
+        base = base_entropy(ctr)
         return {
             "auc": auc,
             "auc_bin_error": bin_error,
-            "logloss": loss_sum / count if count else nan,
-            "copc": prob_sum / label_sum if label_sum else nan,
+            "logloss": logloss,
+            "ne": logloss / base if base > 0 else nan,
+            "copc": label_sum / prob_sum if prob_sum else nan,
+            "calibration": prob_sum / label_sum if label_sum else nan,
             "count": int(count),
-            "ctr": label_sum / count if count else nan,
+            "ctr": ctr,
             "pred_ctr": prob_sum / count if count else nan,
         }
+
+
+def base_entropy(ctr: float) -> float:
+    """H(ctr) in nats: the logloss of predicting the base rate ``ctr`` for every row (NE's
+    denominator); 0 when every label is the same, nan for nan."""
+    if math.isnan(ctr) or ctr <= 0 or ctr >= 1:
+        return 0.0 if ctr in (0.0, 1.0) else math.nan
+    return -(ctr * math.log(ctr) + (1 - ctr) * math.log1p(-ctr))

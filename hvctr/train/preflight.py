@@ -32,6 +32,7 @@ from pathlib import Path
 
 from hvctr.config import Config, load_config
 from hvctr.dist.world import check_collectively, world_rank, world_size
+from hvctr.train.rundir import IDENTITY_NAME, RunLock, check_resume_identity, read_identity, run_identity
 
 SHARD_HEADROOM = 1.25  # sized shards hold the estimate's fullest rank x this (sketch error, bucket skew)
 MIN_SIZED_ROWS = 1 << 12
@@ -40,17 +41,75 @@ MIN_SIZED_ROWS = 1 << 12
 sizing_note = ""
 
 
+@dataclasses.dataclass
+class Checked:
+    """What the preflight hands to the job: the config, the run directory's lock (rank 0 of
+    hvctr train and eval), the identity to write at this first start (None on a resume of a
+    run that has one), and lines for the log once logging is set up."""
+
+    cfg: Config
+    lock: RunLock | None = None
+    identity: dict | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
 def preflight(config_path: str | None, overrides: list[str], resume: bool, init_from: str | None = None,
-              eval_only: bool = False, run_dir: str | Path | None = None) -> Config:
+              eval_only: bool = False, run_dir: str | Path | None = None, command: str = "hvctr train") -> Checked:
     """The job's config once every rank agrees its inputs are usable; AgreedError otherwise.
 
     ``eval_only``: no training data needed; ``run_dir``: where the checkpoints are when it is
-    not the config's train.run_dir (hvctr eval of a moved run directory).
+    not the config's train.run_dir (hvctr eval of a moved run directory). Rank 0 takes the run
+    directory's lock first (hvctr.train.rundir): a second job on it stops here, at once. A
+    training run's identity is checked on --resume, before anything is written.
     """
     rank, size = world_rank(), world_size()
-    # comm: mpi4py allgather of every rank's first error (before Horovod starts)
-    return check_collectively(lambda: check_inputs(load_config(config_path, overrides), rank, size, resume,
-                                                   init_from, eval_only, run_dir), size)
+    held: list[RunLock] = []
+
+    def check() -> Checked:
+        cfg = load_config(config_path, overrides)
+        directory = Path(run_dir or cfg.train.run_dir)
+        if rank == 0:
+            held.append(RunLock(directory, command).acquire())
+        cfg = check_inputs(cfg, rank, size, resume, init_from, eval_only, run_dir)
+        identity, notes = (None, []) if eval_only else check_identity(cfg, directory, size, resume, init_from)
+        if held and held[0].stale:
+            notes.insert(0, held[0].stale)
+        return Checked(cfg, held[0] if held else None, identity, notes)
+
+    try:
+        # comm: mpi4py allgather of every rank's first error (before Horovod starts)
+        return check_collectively(check, size)
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
+
+
+def check_identity(cfg: Config, run_dir: Path, size: int, resume: bool,
+                   init_from: str | None = None) -> tuple[dict | None, list[str]]:
+    """(the identity to write at this start or None, lines of what changed since the first start).
+
+    Without checkpoints this is a first start (or a start over after one that never wrote
+    one): its identity is written. With them (a resume: a fresh start on checkpoints is
+    refused before this), the run's identity.json must match in MUST_MATCH, a ValueError listing
+    every difference; other differences are listed. With --init-from on other data than the
+    run's, the trainer decides (a new pass of a day chain).
+    """
+    from hvctr.train.checkpoint import read_manifests
+
+    now = run_identity(cfg, size)
+    directory = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    if not (directory.is_dir() and read_manifests(directory)):
+        return now, []
+    saved = read_identity(run_dir)
+    if saved is None:
+        return now, [f"{run_dir / IDENTITY_NAME}: none (a run from before it was recorded, or a resharded "
+                     f"checkpoint): recorded from this start, checked on the next resume"]
+    if init_from and saved.get("data", {}).get("digest") != now["data"]["digest"]:
+        return None, []
+    changed = check_resume_identity(run_dir, now)
+    return None, ([f"changed since the run's first start ({run_dir / IDENTITY_NAME}):"] +
+                  ["  " + c for c in changed] if changed else [])
 
 
 def check_inputs(cfg: Config, rank: int, size: int, resume: bool, init_from: str | None = None,

@@ -184,6 +184,8 @@ class Trainer:
                  f"({self.data.dropped_batches} remainder batches dropped on this rank), "
                  f"merge {self.cfg.merge.mode.value} k={schedule.every_k_steps}; {self.lr.describe()}")
         every = self.cfg.checkpoint.every_windows
+        eval_every = self.cfg.metrics.eval_every_windows
+        self.meter.start(self.state.step)
         try:
             while (window := source.next()) is not None:
                 flags = self._train_window(window)
@@ -196,6 +198,8 @@ class Trainer:
                     self.preempted = True
                     log.warning(f"stop requested: stopped after window {window.index}, step {self.state.step}")
                     break
+                if eval_every and self.state.window % eval_every == 0 and self.state.step < total:
+                    self.validate()  # every rank alike: the window count is agreed
                 self.meter.maybe_log(self.state.step, total, self._progress_extra())
         finally:
             source.close()
@@ -210,7 +214,7 @@ class Trainer:
         try:
             summary = self.train()
             if not self.preempted:
-                summary["eval"] = self.evaluate("valid")
+                summary["eval"] = self.validate(final=True)
         finally:
             self.close()
         return summary
@@ -315,9 +319,19 @@ class Trainer:
 
     # --- evaluation ----------------------------------------------------------------------
 
+    def validate(self, final: bool = False) -> dict[str, float]:
+        """The validation metrics now, into metrics.jsonl and the log; the time it takes is left
+        out of samples/s and the ETA. Read-only: training continues from the same state."""
+        t0 = time.perf_counter()
+        result = self.evaluate("valid")
+        seconds = time.perf_counter() - t0
+        self.meter.exclude(seconds)
+        self.meter.log_eval(self.state.step, self.state.samples, result, seconds, final=final)
+        return result
+
     @torch.no_grad()
     def evaluate(self, split: str = "valid") -> dict[str, float]:
-        """AUC, logloss, COPC over every row of ``split``, from histograms summed over ranks."""
+        """AUC, logloss, NE, COPC over every row of ``split``, from histograms summed over ranks."""
         self.model.eval()
         reader = self.data.eval_reader(split)
         # comm: allreduce (Max) of the number of eval batches; ranks out of data send empty pulls
@@ -447,6 +461,7 @@ class Trainer:
             "samples_per_s": round((self.state.samples - self._samples_at_start) / max(elapsed, 1e-9), 1),
             "time_split_s": {k: round(v, 3) for k, v in self.meter.seconds.items()},
             "prefetch_read_s": round(prefetch_read_s, 3),
+            "validation_s": round(self.meter.excluded_s, 3),  # metrics.eval_every_windows' passes, not in seconds
             "dense_merge_bytes": self.reducer.bytes_sent, "dense_merge_calls": self.reducer.calls,
             "dense_bytes_per_sample": self.reducer.bytes_sent * self.comm.size / samples,
             "sparse_exchange_bytes": int(sparse_bytes),

@@ -25,11 +25,30 @@ def test_kstep_run_reports_and_learns(dataset, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval"]["auc"] > 0.62, summary["eval"]
     assert 0.5 < summary["eval"]["copc"] < 1.5
+    ev = summary["eval"]
+    assert ev["calibration"] == pytest.approx(1 / ev["copc"]) and 0 < ev["ne"] < 1
     assert summary["steps"] > 0 and summary["dense_merge_calls"] > 0
     assert (run / "config.toml").is_file() and (run / "logs" / "rank-00001.log").is_file()
     progress = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(e["event"] == "progress" for e in progress)
-    assert "AUC" in r.stdout and "samples/s" in r.stdout
+    assert "AUC" in r.stdout and "samples/s" in r.stdout and "NE " in r.stdout
+    assert " eta " in r.stdout  # progress lines: time left and the date and time it ends
+
+
+def test_validation_during_training_is_logged_and_read_only(dataset, tmp_path):
+    flags = ["--merge.every_k_steps=4", "--train.max_steps=24", "--storage.cpu_cache_bytes=2e5"]
+    r = train(2, tmp_path / "eval", dataset, *flags, "--metrics.eval_every_windows=2")
+    train(2, tmp_path / "plain", dataset, *flags)
+    assert_same_model(tmp_path / "eval", tmp_path / "plain")  # evaluating changed nothing
+    events = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in events if e["event"] == "eval"]
+    # windows of 4 steps, every 2nd window: steps 8 and 16, then the final pass at 24
+    assert [(e["step"], e["final"]) for e in evals] == [(8, False), (16, False), (24, True)]
+    assert all(0.5 < e["auc"] < 1 and e["ne"] > 0 and e["count"] > 0 for e in evals)
+    assert r.stdout.count("validation at step") == 3
+    plain = [e for e in (json.loads(x) for x in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines())
+             if e["event"] == "eval"]
+    assert [(e["step"], e["final"]) for e in plain] == [(24, True)]
 
 
 @pytest.mark.parametrize("cache_bytes", ["2e5", "1e9"], ids=["cache10pct", "cache100pct"])

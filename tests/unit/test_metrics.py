@@ -40,7 +40,41 @@ def test_auc_logloss_copc_match_exact_on_ctr_like_predictions(as_probs):
     assert r["count"] == len(y)
     assert r["ctr"] == pytest.approx(y.mean())
     assert r["pred_ctr"] == pytest.approx(p.mean(), rel=1e-6)
-    assert r["copc"] == pytest.approx(p.mean() / y.mean(), rel=1e-6)
+    assert r["copc"] == pytest.approx(y.mean() / p.mean(), rel=1e-6)  # actual / predicted (Paddle)
+    assert r["calibration"] == pytest.approx(p.mean() / y.mean(), rel=1e-6)  # predicted / actual (TorchRec)
+    h = -(y.mean() * np.log(y.mean()) + (1 - y.mean()) * np.log(1 - y.mean()))
+    assert r["ne"] == pytest.approx(log_loss(y, p) / h, rel=1e-6)
+
+
+def test_copc_ne_calibration_against_hand_computed_values():
+    # 4 rows, labels 1 0 0 0, predictions 0.5 0.1 0.1 0.1:
+    #   actual CTR 1/4 = 0.25, predicted CTR 0.8/4 = 0.2
+    #   COPC = 0.25 / 0.2 = 1.25 (the model under-predicts), calibration = 0.2 / 0.25 = 0.8
+    #   logloss = -(ln 0.5 + 3 ln 0.9) / 4 = (0.693147 + 3 x 0.105361) / 4 = 0.252307
+    #   H(0.25) = -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.346574 + 0.215762 = 0.562335
+    #   NE = 0.252307 / 0.562335 = 0.448678
+    for as_logits in (False, True):
+        acc = EvalAccumulator(1024)
+        p, y = torch.tensor([0.5, 0.1, 0.1, 0.1], dtype=torch.float64), torch.tensor([1.0, 0.0, 0.0, 0.0])
+        if as_logits:
+            acc.add_logits(torch.logit(p), y)
+        else:
+            acc.add(p, y)
+        r = acc.result()
+        assert r["ctr"] == pytest.approx(0.25) and r["pred_ctr"] == pytest.approx(0.2)
+        assert r["copc"] == pytest.approx(1.25)
+        assert r["calibration"] == pytest.approx(0.8)
+        assert r["logloss"] == pytest.approx(0.252307, abs=1e-6)
+        assert r["ne"] == pytest.approx(0.448678, abs=1e-6)
+        assert r["auc"] == 1.0
+
+
+def test_ne_of_predicting_the_base_rate_is_one():
+    y = torch.tensor([1.0] * 3 + [0.0] * 7)
+    acc = EvalAccumulator(64)
+    acc.add(torch.full((10,), 0.3), y)
+    r = acc.result()
+    assert r["ne"] == pytest.approx(1.0) and r["copc"] == pytest.approx(1.0) and r["calibration"] == pytest.approx(1.0)
 
 
 def test_auc_with_skewed_predictions_near_zero():
@@ -84,7 +118,9 @@ def test_extreme_and_degenerate_inputs():
     assert math.isfinite(r["logloss"]) and r["auc"] == 1.0
     only_neg = EvalAccumulator(16)
     only_neg.add_logits(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 0.0]))
-    assert math.isnan(only_neg.result()["auc"]) and math.isnan(only_neg.result()["copc"])
+    r = only_neg.result()
+    assert math.isnan(r["auc"]) and math.isnan(r["calibration"]) and math.isnan(r["ne"])
+    assert r["copc"] == 0.0  # no clicks at all: none of the predicted clicks came
     assert math.isnan(EvalAccumulator(16).result()["logloss"])
 
 

@@ -1,0 +1,274 @@
+"""What a run directory holds about the job that owns it: its lock and its identity.
+
+    <run_dir>/hvctr.lock      flock held by rank 0 for the job's life: host, pid, start time
+    <run_dir>/identity.json   written at the run's first start: what a resume must match
+
+One job per run directory. Two jobs on one directory would write each other's checkpoints and
+working shards; so rank 0 takes an exclusive ``flock`` on ``hvctr.lock`` in the preflight,
+before Horovod starts, and keeps it until the process ends (the kernel drops it when the
+process dies, however it dies). A second job fails at once, naming the holder's host and pid
+from the file. A lock file that still names a holder when the lock is free was left by a job
+that never released it (killed, or its node lost): reported as stale and taken over. flock
+works across the nodes of NFS (v4, and v3 with lockd) and Lustre mounted with ``flock``; on a
+file system without it, flock fails and the error says so.
+
+A resume continues the run its checkpoints were written by. ``identity.json`` records, at the
+first start: the resolved config, the digest of the training data (its data_prep manifest's
+shard records: files, rows, dataset checksums), the world size and the kernel path. A resume
+compares: a key of MUST_MATCH that differs (the model, the data, the batch, k, the seeds)
+refuses with every difference listed, before anything in the run directory is written; any
+other difference (learning rates, log cadence, epochs, cache sizes) is listed as changed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+LOCK_NAME = "hvctr.lock"
+IDENTITY_NAME = "identity.json"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def describe_holder(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "a job that has not yet written its name into the lock file"
+    what = f"host {holder.get('host')} pid {holder.get('pid')}"
+    if holder.get("started"):
+        what += f" (since {holder['started']}, {holder.get('command', 'hvctr')})"
+    return what
+
+
+class RunLock:
+    """An exclusive flock on ``<run_dir>/hvctr.lock``: ``RunLock(run_dir).acquire()``, held
+    until ``release()`` or the end of the process. ``stale``: the note on a stale lock taken
+    over ("" when there was none)."""
+
+    def __init__(self, run_dir: str | Path, command: str = "hvctr train") -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self.command = command
+        self.stale = ""
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunLock":
+        """ValueError naming the holder when another job holds the run directory, or naming the
+        path when the directory cannot hold a lock file."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise ValueError(f"config key 'train.run_dir': cannot create the run directory's lock file "
+                             f"{self.path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ValueError(f"{self.run_dir} is in use by another job: {_held_by(holder)} holds "
+                                 f"{self.path}; wait for that job to end (or stop it), or choose another "
+                                 f"train.run_dir") from None
+            raise ValueError(f"cannot lock {self.path} ({e.strerror or e}): the file system of "
+                             f"{self.run_dir} does not support flock; put train.run_dir on one that does") from None
+        prior = _read_holder(fd)
+        if prior:
+            self.stale = (f"{self.path}: stale lock of {describe_holder(prior)}, a job that ended without "
+                          f"releasing it (killed, or its node lost): taken over")
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "command": self.command,
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        try:
+            _write_holder(fd, holder)
+        except OSError as e:
+            os.close(fd)
+            raise ValueError(f"config key 'train.run_dir': cannot write the lock file {self.path}: "
+                             f"{e.strerror or e}") from None
+        self._fd = fd
+        return self
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Empties the file (a file naming a holder while unlocked is a stale lock) and unlocks."""
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)
+        except OSError:
+            pass  # a full or gone disk: the next job reports a stale lock, which is true enough
+        os.close(self._fd)
+        self._fd = None
+
+
+def _held_by(holder: dict[str, Any] | None) -> str:
+    what = describe_holder(holder)
+    if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
+            and not _pid_alive(holder["pid"]):
+        what += (" -- that process is gone, but a process it started still holds the lock "
+                 "(find it with: fuser -v <lock file>)")
+    return what
+
+
+def _read_holder(fd: int) -> dict[str, Any] | None:
+    try:
+        raw = os.pread(fd, 4096, 0)
+    except OSError:
+        return None
+    if not raw.strip():
+        return None
+    try:
+        holder = json.loads(raw)
+    except ValueError:
+        holder = None
+    return holder if isinstance(holder, dict) else {"host": "?", "pid": "?"}
+
+
+def _write_holder(fd: int, holder: dict[str, Any]) -> None:
+    data = (json.dumps(holder, sort_keys=True) + "\n").encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+# --- identity ----------------------------------------------------------------------------
+
+# What a resume must keep: the model and its state's shapes, the data and the position in it
+# (batch size, k, world size: the saved "epoch e, batch b" means nothing on other data or
+# another batch), the seeds every row and dense parameter was initialised from, and the
+# admission and TTL rules whose state the checkpoint carries. Everything else may change and
+# is listed (learning rates, the merge rules' tuning, log and checkpoint cadence, epochs,
+# caches, placement, timeouts). The world size is checked against the newest checkpoint
+# (hvctr reshard may change it), the kernel path only warned about (hvctr.train.checkpoint).
+MUST_MATCH = frozenset({
+    "model.arch", "model.hidden", "model.num_dense", "model.num_fields",
+    "storage.dim", "storage.seed", "storage.init_scale", "storage.admit_after", "storage.admit_sketch_slots",
+    "storage.ttl_passes",
+    "merge.mode", "merge.every_k_steps",
+    "data.batch_size_per_rank",
+    "train.seed",
+    "data.digest",
+})
+
+
+def data_digest(train_dir: str) -> dict[str, Any]:
+    """The training data's identity: sha256 over its data_prep manifest's train shard records
+    (file names, rows, the sha256 of every dataset), independent of where the data lives and of
+    when data_prep ran; with the shard count and the directory (which may move)."""
+    from hvctr.train.data import load_manifest
+
+    shards = load_manifest(train_dir)["shards"]["train"]
+    body = json.dumps(shards, sort_keys=True, separators=(",", ":")).encode()
+    return {"digest": hashlib.sha256(body).hexdigest(), "shards": len(shards),
+            "train_dir": str(Path(train_dir).resolve())}
+
+
+def run_identity(cfg, world_size: int) -> dict[str, Any]:
+    """What identity.json records for a run started now with ``cfg`` on ``world_size`` ranks."""
+    import hvctr
+    from hvctr.config import to_dict
+    from hvctr.kernels import native
+
+    try:
+        kernels = native.kernel_path()
+    except native.NativeKernelsError as e:  # missing or damaged: a user error, found before Horovod
+        raise ValueError(str(e)) from None
+    return {"format_version": 1, "hvctr": hvctr.__version__, "config": to_dict(cfg),
+            "data": data_digest(cfg.data.train_dir), "world_size": world_size, "kernels": kernels}
+
+
+def _flat(identity: dict[str, Any]) -> dict[str, Any]:
+    flat = {f"{s}.{k}": v for s, body in identity.get("config", {}).items() for k, v in body.items()}
+    data = identity.get("data", {})
+    flat["data.digest"] = data.get("digest")
+    flat["data.shards"] = data.get("shards")
+    flat["data.train_dir"] = data.get("train_dir")  # the digest decides; a moved directory is a change
+    flat["world_size"] = identity.get("world_size")
+    flat["kernels"] = identity.get("kernels")
+    return flat
+
+
+def compare_identity(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(differences that refuse a resume, differences listed as changed), one line each:
+    ``key: saved -> now``. A key the saved identity lacks (added to hvctr since) is a change."""
+    old, new = _flat(saved), _flat(now)
+    refuse, changed = [], []
+    for key in sorted(new):
+        if key in old and old[key] == new[key]:
+            continue
+        was = old.get(key, "<not recorded>")
+        if key == "data.digest":
+            line = (f"data: the training data differ (manifest digest {str(was)[:12]} -> {str(new[key])[:12]}; "
+                    f"{old.get('data.shards')} -> {new.get('data.shards')} shards; "
+                    f"{old.get('data.train_dir')} -> {new.get('data.train_dir')})")
+        else:
+            line = f"{key}: {was!r} -> {new[key]!r}"
+        (refuse if key in MUST_MATCH and key in old else changed).append(line)
+    if any(line.startswith("data:") for line in refuse):
+        changed = [c for c in changed if not c.startswith(("data.shards", "data.train_dir"))]
+    return refuse, changed
+
+
+def read_identity(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's identity.json, None when there is none (a run from before it, or resharded into
+    a new directory); ValueError naming the file when it is damaged."""
+    path = Path(run_dir) / IDENTITY_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        identity = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path} is not JSON ({e}): damaged; it records what a resume must match "
+                         f"(move it away to resume without that check)") from None
+    if not isinstance(identity, dict):
+        raise ValueError(f"{path} is not a run identity: damaged")
+    return identity
+
+
+def check_resume_identity(run_dir: str | Path, now: dict[str, Any]) -> list[str]:
+    """On a resume: ValueError listing every difference of MUST_MATCH from the run's identity;
+    else the lines of what changed (empty: nothing, or no identity to compare with)."""
+    saved = read_identity(run_dir)
+    if saved is None:
+        return []
+    refuse, changed = compare_identity(saved, now)
+    if refuse:
+        path = Path(run_dir) / IDENTITY_NAME
+        raise ValueError(f"--resume: this run differs from the run its checkpoints were written by ({path}) in "
+                         f"what a resume must keep:\n  " + "\n  ".join(refuse) +
+                         "\nresume with the run's values (its config.toml), or start a new train.run_dir "
+                         "(--init-from " + str(run_dir) + " starts from its model)")
+    return changed
+
+
+def write_identity(run_dir: str | Path, identity: dict[str, Any]) -> None:
+    """identity.json under a temporary name, then renamed: never half-written."""
+    path = Path(run_dir) / IDENTITY_NAME
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps(identity, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write the run identity {path}: {e.strerror or e}") from None

@@ -1,0 +1,197 @@
+"""One job per run directory, and a resume that checks what it resumes (hvctr.train.rundir).
+
+- The lock: a second job fails at once, naming the holder's host and pid; a lock left by a
+  killed job is reported as stale and taken over; a job that ends releases it. Through
+  ``hvctr train`` itself: the second job's one error line, exit 2, before any data is read.
+- The identity: written at a first start; a resume whose model, data, batch, k or seeds differ
+  is refused with every difference listed, and leaves config.toml and identity.json as they
+  were (hvctr eval and export keep working); learning rates and log cadence are listed as
+  changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data_prep.criteo import Job, run_job
+from data_prep.mpi import Comm
+from data_prep.synth import generate
+from hvctr.config import load_config, write_toml
+from hvctr.train.checkpoint import write_manifest
+from hvctr.train.preflight import check_identity, check_inputs
+from hvctr.train.rundir import (IDENTITY_NAME, LOCK_NAME, RunLock, compare_identity, run_identity,
+                                write_identity)
+from tests.conftest import REPO, VENV_PY, mpi_env
+
+HOLD = ("import sys, time; from hvctr.train.rundir import RunLock; "
+        "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A process holding tmp_path/run's lock, as a running job's rank 0 does."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen([VENV_PY, "-c", HOLD, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    yield run_dir, p
+    p.kill()
+    p.wait()
+
+
+def test_second_job_fails_at_once_naming_the_holder(holder):
+    run_dir, p = holder
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as e:
+        RunLock(run_dir).acquire()
+    assert time.monotonic() - t0 < 1.0
+    msg = str(e.value)
+    assert f"{run_dir} is in use by another job: host {socket.gethostname()} pid {p.pid}" in msg
+    assert str(run_dir / LOCK_NAME) in msg
+
+
+def test_a_killed_holder_leaves_a_stale_lock_that_is_taken_over(holder):
+    run_dir, p = holder
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    lock = RunLock(run_dir).acquire()
+    assert lock.held
+    assert f"stale lock of host {socket.gethostname()} pid {p.pid}" in lock.stale
+    assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert (run_dir / LOCK_NAME).read_text() == ""  # released: the next job sees no stale lock
+    again = RunLock(run_dir).acquire()
+    assert again.stale == ""
+    again.release()
+
+
+def test_a_run_directory_under_a_file_is_named(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"cannot create the run directory's lock file .*/file/run/hvctr.lock: "
+                                         r"Not a directory"):
+        RunLock(tmp_path / "file" / "run").acquire()
+
+
+def test_hvctr_train_on_a_locked_run_directory_is_one_error_before_anything_is_read(holder, tmp_path):
+    run_dir, p = holder
+    r = subprocess.run([VENV_PY, "-m", "hvctr", "train", f"--train.run_dir={run_dir}",
+                        f"--data.train_dir={tmp_path / 'no-data'}"], cwd=REPO, env=mpi_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert errors == [f"hvctr train: error: {run_dir} is in use by another job: host {socket.gethostname()} "
+                      f"pid {p.pid} (since {json.loads((run_dir / LOCK_NAME).read_text())['started']}, "
+                      f"hvctr train) holds {run_dir / LOCK_NAME}; wait for that job to end (or stop it), or "
+                      f"choose another train.run_dir"], r.stderr
+    assert "Traceback" not in r.stderr
+    assert sorted(x.name for x in run_dir.iterdir()) == [LOCK_NAME]
+
+
+# --- identity --------------------------------------------------------------------------------
+
+
+def _prep(root: Path, rows: int, shards: int) -> Path:
+    root.mkdir(parents=True)
+    generate(rows, seed=5, out=str(root / "in.tsv"))
+    assert run_job(Comm(), Job((str(root / "in.tsv"),), str(root / "out"), shards, valid_fraction=0.2)) == 0
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    base = tmp_path_factory.mktemp("identity-data")
+    return _prep(base / "a", 3000, 2), _prep(base / "b", 3000, 3)
+
+
+SMALL = ["--data.batch_size_per_rank=64", "--storage.rows_per_rank=100000", "--model.hidden=8",
+         "--storage.dim=4"]
+
+
+def _cfg(run_dir: Path, data: Path, *flags: str):
+    return load_config(None, [f"--train.run_dir={run_dir}", f"--data.train_dir={data}", *SMALL, *flags])
+
+
+def _started_run(run_dir: Path, data: Path):
+    """A run directory as a first start on one rank leaves it once checkpoint 0 is written."""
+    cfg = check_inputs(_cfg(run_dir, data), 0, 1, resume=False)
+    identity, notes = check_identity(cfg, run_dir, 1, resume=False)
+    assert identity is not None and notes == []
+    run_dir.mkdir(parents=True)
+    write_identity(run_dir, identity)
+    write_toml(cfg, run_dir / "config.toml")
+    (run_dir / "checkpoints" / "ckpt-000000").mkdir(parents=True)
+    write_manifest(run_dir / "checkpoints" / "ckpt-000000" / "manifest.json",
+                   {"seq": 0, "world_size": 1, "chain": [0], "files": []})
+    return cfg
+
+
+def test_identity_records_config_data_world_size_and_kernel_path(datasets, tmp_path):
+    data, _ = datasets
+    identity = run_identity(_cfg(tmp_path / "run", data), 3)
+    assert identity["config"]["storage"]["dim"] == 4 and identity["world_size"] == 3
+    assert identity["kernels"] in ("native", "torch")
+    assert identity["data"]["shards"] == 2 and len(identity["data"]["digest"]) == 64
+
+
+def test_resume_with_other_model_data_or_rules_is_refused_with_every_difference(datasets, tmp_path):
+    a, b = datasets
+    run_dir = tmp_path / "run"
+    _started_run(run_dir, a)
+    cases = {
+        ("--storage.dim=8", "--model.hidden=16"): ["model.hidden: [8] -> [16]", "storage.dim: 4 -> 8"],
+        ("--train.seed=7", "--merge.every_k_steps=8", "--data.batch_size_per_rank=32"):
+            ["data.batch_size_per_rank: 64 -> 32", "merge.every_k_steps: 4 -> 8", "train.seed: 1234 -> 7"],
+    }
+    for flags, want in cases.items():
+        cfg = check_inputs(_cfg(run_dir, a, *flags), 0, 1, resume=True)
+        with pytest.raises(ValueError) as e:
+            check_identity(cfg, run_dir, 1, resume=True)
+        assert [line.strip() for line in str(e.value).splitlines()[1:-1]] == want
+    cfg = check_inputs(_cfg(run_dir, b), 0, 1, resume=True)
+    with pytest.raises(ValueError, match=r"(?s)--resume: this run differs.*data: the training data differ "
+                                         r"\(manifest digest .* 2 -> 3 shards;"):
+        check_identity(cfg, run_dir, 1, resume=True)
+
+
+def test_resume_lists_what_may_change(datasets, tmp_path):
+    a, _ = datasets
+    run_dir = tmp_path / "run"
+    _started_run(run_dir, a)
+    cfg = check_inputs(_cfg(run_dir, a, "--train.dense_lr=0.5", "--metrics.log_every_steps=3"), 0, 1, resume=True)
+    identity, notes = check_identity(cfg, run_dir, 1, resume=True)
+    assert identity is None  # the first start's identity stays
+    assert [n.strip() for n in notes[1:]] == ["metrics.log_every_steps: 20 -> 3", "train.dense_lr: 0.001 -> 0.5"]
+    same = check_inputs(_cfg(run_dir, a), 0, 1, resume=True)
+    assert check_identity(same, run_dir, 1, resume=True) == (None, [])
+
+
+def test_compare_lists_a_key_the_saved_identity_lacks_as_a_change():
+    saved = {"config": {"storage": {"dim": 4}}, "data": {"digest": "d"}, "world_size": 2, "kernels": "native"}
+    now = {"config": {"storage": {"dim": 4, "new_key": 1}}, "data": {"digest": "d"}, "world_size": 4,
+           "kernels": "torch"}
+    assert compare_identity(saved, now) == ([], ["kernels: 'native' -> 'torch'", "storage.new_key: '<not recorded>' -> 1",
+                                                 "world_size: 2 -> 4"])
+
+
+def test_a_refused_resume_through_hvctr_train_writes_nothing(datasets, tmp_path):
+    a, _ = datasets
+    run_dir = tmp_path / "run"
+    _started_run(run_dir, a)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    r = subprocess.run([VENV_PY, "-m", "hvctr", "train", "--config", str(run_dir / "config.toml"), "--resume",
+                        "--storage.dim=8"], cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "hvctr train: error: --resume: this run differs" in r.stderr and "storage.dim: 4 -> 8" in r.stderr
+    assert r.stderr.count("storage.dim: 4 -> 8") == 1 and "Traceback" not in r.stderr
+    after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    assert after.pop(LOCK_NAME) == b""  # taken and released
+    assert after == before and {IDENTITY_NAME, "config.toml"} <= set(after)
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["checkpoints"]  # no logs/, no shards/
