@@ -2,6 +2,8 @@
 
     mpirun -np 4 --bind-to none python -m mpi4py -m data_prep criteo \\
         --input day_0.gz day_1.gz --out data/criteo --shards 64 --valid-fraction 0.05
+    # Criteo Terabyte as DLRM and MLPerf split it: train on days 0-22, validate on day 23
+    python -m data_prep criteo --input day_{0..22}.gz --valid-input day_23.gz --out data/tb --shards 256
 
 Two phases, both parallel over processes, the output independent of their number:
 1. parse: each process parses its units (sources.py) into pieces under OUT/_work (pieces.py);
@@ -42,8 +44,9 @@ from data_prep.log import get_logger, setup_logging
 log = get_logger()
 MANIFEST = "manifest.json"
 WORK = "_work"
-SPLIT_RULE = ("global line index g over all inputs in the order given (data lines only, rejected "
-              "lines included); shard = g mod S; validation = the last round(F * L) of the L lines")
+SPLIT_RULE = ("global line index g over all inputs in the order given, --valid-input files last (data lines "
+              "only, rejected lines included); shard = g mod S; validation = every line of the --valid-input "
+              "files and the last round(F * L) of the L lines of the --input files")
 SHARD_BATCH = 32  # output files one process keeps open at once in phase 2
 AUTO_CHUNKS = 256  # auto chunk size: enough units to balance many processes, few enough to record
 REPORT_SECONDS = 1.0  # how often a worker reports progress to rank 0
@@ -60,6 +63,7 @@ class Job:
     chunk_bytes: int = 0  # 0: auto (see auto_chunk_bytes)
     piece_lines: int = 1 << 19
     progress_seconds: float = 10.0
+    valid_inputs: tuple[str, ...] = ()  # every line of these is validation (Criteo Terabyte's day_23)
 
     def __post_init__(self) -> None:
         if self.shards < 1:
@@ -83,7 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, required=True, metavar="S",
                    help="data shards per split; training rank r reads the shards s with s %% W == r")
     p.add_argument("--valid-fraction", type=float, default=0.0, metavar="F",
-                   help="the last F of all lines form the validation split (default 0)")
+                   help="the last F of the --input lines form the validation split (default 0)")
+    p.add_argument("--valid-input", nargs="+", default=[], metavar="FILE",
+                   help="files whose every line is validation (plain or gzip), after the --input files: "
+                        "Criteo Terabyte's day_23, as DLRM and MLPerf split it")
     p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
     p.add_argument("--format", choices=("auto", "tsv", "csv"), default="auto",
                    help="input format (auto: tabs -> TSV, else CSV with a header)")
@@ -102,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         try:  # the same arguments fail the same way on every process
             job = Job(tuple(args.input), os.path.abspath(args.out), args.shards, args.valid_fraction,
                       args.strict, args.format, int(args.chunk_mb * (1 << 20)), args.piece_lines,
-                      args.progress_seconds)
+                      args.progress_seconds, tuple(args.valid_input))
         except ValueError as e:
             raise _SharedError(str(e)) from e
         return run_job(comm, job)
@@ -333,7 +340,7 @@ class Tracker:
 
     def plan(self) -> Plan:
         job = self.job
-        sources = open_sources(list(job.inputs), job.format)
+        sources = open_sources([*job.inputs, *job.valid_inputs], job.format)
         _prepare_out_dir(job.out)
         chunk = job.chunk_bytes or auto_chunk_bytes(sources)
         units = make_units(sources, chunk)
@@ -473,6 +480,7 @@ def auto_chunk_bytes(sources: list[Source]) -> int:
 
 def _identity(job: Job, sources: list[Source], chunk_bytes: int, num_units: int) -> dict:
     return {"shards": job.shards, "valid_fraction": job.valid_fraction, "strict": job.strict,
+            "valid_inputs": len(job.valid_inputs),
             "chunk_bytes": chunk_bytes, "piece_lines": job.piece_lines, "units": num_units,
             "inputs": [{"path": s.path, "size": s.size} for s in sources]}
 
@@ -551,14 +559,16 @@ def _write_json(path: str, obj: dict) -> None:
 def _assembly(m: dict, job: Job) -> Assembly:
     """After phase 1: piece offsets, the split cutoff, the rows of every shard; bad lines named."""
     assert all(m["units"]), "every unit is recorded after phase 1"
-    pieces, offset = [], 0
+    pieces, offset, input_lines = [], 0, 0
     for u in m["units"]:
         for k, p in enumerate(u["pieces"]):
             bad = np.array([b[0] for b in p["bad"]], dtype=np.int64)
             pieces.append((piece_path(job.work_dir, u["unit"], k), offset, p["lines"], bad))
             offset += p["lines"]
+            if u["source"] < len(job.inputs):  # --valid-input files come after every --input file
+                input_lines += p["lines"]
     total_lines = offset
-    cutoff = total_lines - int(job.valid_fraction * total_lines + 0.5)
+    cutoff = input_lines - int(job.valid_fraction * input_lines + 0.5)
     rows = {split: np.zeros(job.shards, dtype=np.int64) for split in SPLITS}
     for _, o, n, bad in pieces:
         train, valid = piece_shard_counts(o, n, bad, job.shards, cutoff)
@@ -570,7 +580,7 @@ def _assembly(m: dict, job: Job) -> Assembly:
                          + (f" (first: {_fmt_bad(m['bad_lines'][0])})" if m["bad_lines"] else ""))
     _report_bad(m["bad_lines"])
     m["split"] = {"rule": SPLIT_RULE, "valid_fraction": job.valid_fraction,
-                  "lines": total_lines, "cutoff_line": cutoff}
+                  "valid_inputs": list(job.valid_inputs), "lines": total_lines, "cutoff_line": cutoff}
     todo = [s for s in range(job.shards) if not all(m["shards"][sp][s] for sp in SPLITS)]
     return Assembly(pieces, cutoff, {k: [int(x) for x in v] for k, v in rows.items()}, todo)
 

@@ -190,3 +190,20 @@ def test_clear_errors(tmp_path, tsv):
     with pytest.raises(ValueError, match="different job.*shards: 2 -> 3"):
         run([tsv], tmp_path / "o5", shards=3)
     assert run([tsv], tmp_path / "o5", shards=2)["state"] == "complete"  # a rerun of a done job: nothing to do
+
+
+def test_valid_input_files_are_the_whole_validation_split(tmp_path, tsv):
+    # Criteo Terabyte's split: days 0..22 train, day 23 validates. Here: two "days" of the same
+    # generator, the second gzip-compressed and given as --valid-input.
+    day = tmp_path / "day_1.gz"
+    generate(2000, seed=8, out=str(tmp_path / "day_1"))
+    day.write_bytes(gzip.compress((tmp_path / "day_1").read_bytes(), compresslevel=1))
+    m = run([tsv], tmp_path / "out", shards=3, valid_inputs=(str(day),))
+    assert m["totals"]["train"]["rows"] == 6000 and m["totals"]["valid"]["rows"] == 2000
+    assert m["split"]["cutoff_line"] == 6000 and m["split"]["valid_inputs"] == [str(day)]
+    valid_labels = np.concatenate([s["labels"] for s in read_split(tmp_path / "out", m, "valid")])
+    want = np.loadtxt(tmp_path / "day_1", delimiter="\t", usecols=0)
+    assert valid_labels.sum() == want.sum()
+    # with a fraction too: the last F of the --input lines join the validation files
+    m2 = run([tsv], tmp_path / "out2", shards=3, valid_fraction=0.1, valid_inputs=(str(day),))
+    assert m2["totals"]["train"]["rows"] == 5400 and m2["totals"]["valid"]["rows"] == 2600
