@@ -11,14 +11,14 @@
 # module load cuda/12.4            # GPU nodes
 #
 # The Python that has hvctr, Horovod and mpi4py: the checkout's venv (`make setup`).
-VENV=${VENV:-$HVCTR_HOME/.venv}
-PYTHON=${PYTHON:-$VENV/bin/python}
+HVCTR_VENV=${HVCTR_VENV:-$HVCTR_HOME/.venv}
+HVCTR_PYTHON=${HVCTR_PYTHON:-$HVCTR_VENV/bin/python}
 
 # --- MPI / Horovod -----------------------------------------------------------------------
 # srun starts the ranks through PMIx (Debian's OpenMPI has no PMI-2; `srun --mpi=list` shows
 # what a cluster offers). Horovod takes rank and size from MPI, so nothing else is needed.
 # Binding: exactly one layer binds. srun runs with --cpu-bind=none and hvctr pins each rank
-# in-process from the hardware map (HWMAP below).
+# in-process from the hardware map (HVCTR_HWMAP below).
 export HOROVOD_LOG_LEVEL=${HOROVOD_LOG_LEVEL:-warning}
 # A rank that waits for a collective gives its core away: needed when ranks share cores
 # (small test machines, oversubscribed nodes); costs a little latency on dedicated cores.
@@ -32,23 +32,23 @@ export HOROVOD_LOG_LEVEL=${HOROVOD_LOG_LEVEL:-warning}
 # The hardware map of this partition's node type (slurm/hwmaps/*.toml; `hvctr topo --out F`
 # writes one). Empty: no placement; each rank runs its share of the node's cpus in torch threads
 # (the cpus the job may use / tasks on the node, at most --cpus-per-task). "auto": discover at start.
-HWMAP=${HWMAP:-}
+HVCTR_HWMAP=${HVCTR_HWMAP:-}
 
 # NIC hook: MPI and Horovod connect before hvctr's placement runs, so the NIC of each rank's
 # plan is exported by a per-rank wrapper that srun starts in front of python. With a map
 # file, slurm/hwmaps/rank_env.sh exports OMPI_MCA_btl_tcp_if_include, HOROVOD_GLOO_IFACE,
-# NCCL_SOCKET_IFNAME, UCX_NET_DEVICES and NCCL_IB_HCA from the plan. Set RANK_WRAPPER= (empty)
-# to switch it off, or to a script of your own (it gets the python command line to exec).
-if [ -z "${RANK_WRAPPER+set}" ]; then
-  RANK_WRAPPER=""
-  if [ -n "$HWMAP" ] && [ "$HWMAP" != auto ]; then
-    RANK_WRAPPER=$HVCTR_HOME/slurm/hwmaps/rank_env.sh
-    export HVCTR_HWMAP=$HWMAP
+# NCCL_SOCKET_IFNAME, UCX_NET_DEVICES and NCCL_IB_HCA from the plan. Set HVCTR_RANK_WRAPPER=
+# (empty) to switch it off, or to a script of your own (it gets the python command line to exec).
+if [ -z "${HVCTR_RANK_WRAPPER+set}" ]; then
+  HVCTR_RANK_WRAPPER=""
+  if [ -n "$HVCTR_HWMAP" ] && [ "$HVCTR_HWMAP" != auto ]; then
+    HVCTR_RANK_WRAPPER=$HVCTR_HOME/slurm/hwmaps/rank_env.sh
+    export HVCTR_HWMAP
   fi
 fi
 
 # --- checks ------------------------------------------------------------------------------
-if [ ! -x "$PYTHON" ]; then
-  echo "slurm/env: $PYTHON not found: run \`make setup\` in $HVCTR_HOME or set VENV/PYTHON" >&2
+if [ ! -x "$HVCTR_PYTHON" ]; then
+  echo "slurm/env: $HVCTR_PYTHON not found: run \`make setup\` in $HVCTR_HOME or set HVCTR_VENV/HVCTR_PYTHON" >&2
   exit 2
 fi

@@ -2,7 +2,7 @@
 
 The cluster (tests/e2e/slurm_cluster.py, fixture ``slurm_cluster``) is Debian's slurm-wlm 22.05
 with munge, started as root without systemd or cgroups. Jobs are submitted from the checkout
-(the scripts find the code through the submit directory) with RUN_DIR, OUT and --output under
+(the scripts find the code through the submit directory) with HVCTR_RUN_DIR, HVCTR_OUT and --output under
 tmp_path.
 
 Facts checked on this stack (Slurm 22.05.8, OpenMPI 4.1.4, PMIx 4.2.2); [test] marks those a
@@ -134,8 +134,8 @@ def prepared(slurm_cluster, tmp_path_factory):
     subprocess.run([VENV_PY, "-m", "data_prep", "synth", "--rows", str(ROWS), "--seed", "3",
                     "--out", str(root / "raw" / "day_0.tsv")], check=True, capture_output=True, timeout=300)
     out = root / "prep.out"
-    jid = submit(slurm_cluster, "prep.sbatch", out, INPUT=str(root / "raw" / "day_*.tsv"),
-                 OUT=str(root / "shards"), SHARDS=str(SHARDS), VALID_FRACTION="0.1")
+    jid = submit(slurm_cluster, "prep.sbatch", out, HVCTR_INPUT=str(root / "raw" / "day_*.tsv"),
+                 HVCTR_OUT=str(root / "shards"), HVCTR_SHARDS=str(SHARDS), HVCTR_VALID_FRACTION="0.1")
     record = slurm_cluster.wait_done(jid)
     assert_completed(record, out)
     return root / "shards", record
@@ -152,9 +152,20 @@ def test_prep_job_writes_the_shards(prepared):
         [f"{split}-{s:05d}.h5" for split in ("train", "valid") for s in range(SHARDS)]
 
 
+def test_old_unprefixed_variables_are_refused_naming_the_new_ones(slurm_cluster, tmp_path):
+    # sbatch exports the submitting shell's environment: a DATA or OUT set there for something
+    # else must not steer a job, and a user of the old names learns the new ones.
+    out = tmp_path / "old.out"
+    jid = submit(slurm_cluster, "train.sbatch", out, DATA=str(tmp_path), CONFIG="x.toml")
+    record = slurm_cluster.wait_done(jid)
+    text = out.read_text()
+    assert record["JobState"] == "FAILED" and exit_code(record) == 2, text
+    assert "DATA -> HVCTR_DATA" in text and "CONFIG -> HVCTR_CONFIG" in text
+
+
 def test_prep_job_without_input_fails_with_a_message(slurm_cluster, tmp_path):
     out = tmp_path / "prep.out"
-    jid = submit(slurm_cluster, "prep.sbatch", out, INPUT=str(tmp_path / "nothing_*.tsv"), OUT=str(tmp_path / "o"))
+    jid = submit(slurm_cluster, "prep.sbatch", out, HVCTR_INPUT=str(tmp_path / "nothing_*.tsv"), HVCTR_OUT=str(tmp_path / "o"))
     record = slurm_cluster.wait_done(jid)
     assert record["JobState"] == "FAILED" and exit_code(record) == 2
     assert f"no input file matches {tmp_path}/nothing_*.tsv" in out.read_text()
@@ -166,8 +177,8 @@ def trained(slurm_cluster, prepared, tmp_path_factory):
     data, _ = prepared
     root = tmp_path_factory.mktemp("train")
     out = root / "train.out"
-    jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, CONFIG=str(REPO / "slurm/configs/demo.toml"),
-                 DATA=str(data), RUN_DIR=str(root / "run"))
+    jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, HVCTR_CONFIG=str(REPO / "slurm/configs/demo.toml"),
+                 HVCTR_DATA=str(data), HVCTR_RUN_DIR=str(root / "run"))
     record = slurm_cluster.wait_done(jid)
     assert_completed(record, out)
     return root / "run", record, out
@@ -195,7 +206,7 @@ def test_eval_job_reproduces_the_training_evaluation(slurm_cluster, trained, tmp
     # With the hardware map of this machine type: the per-rank wrapper exports each rank's NIC.
     run, _, _ = trained
     out = tmp_path / "eval.out"
-    jid = submit(slurm_cluster, "eval.sbatch", out, RUN_DIR=str(run), HWMAP=str(REPO / "slurm/hwmaps/vm-2cpu.toml"))
+    jid = submit(slurm_cluster, "eval.sbatch", out, HVCTR_RUN_DIR=str(run), HVCTR_HWMAP=str(REPO / "slurm/hwmaps/vm-2cpu.toml"))
     assert_completed(slurm_cluster.wait_done(jid), out)
     result = json.loads((run / "eval-valid.json").read_text())
     expected = json.loads((run / "summary.json").read_text())["eval"]
@@ -212,8 +223,8 @@ def test_preempted_job_checkpoints_requeues_and_ends_with_the_same_model(slurm_c
     data, _ = prepared
     reference, _, _ = trained
     run, out = tmp_path / "run", tmp_path / "train.out"
-    jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, CONFIG=str(REPO / "slurm/configs/demo.toml"),
-                 DATA=str(data), RUN_DIR=str(run))
+    jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, HVCTR_CONFIG=str(REPO / "slurm/configs/demo.toml"),
+                 HVCTR_DATA=str(data), HVCTR_RUN_DIR=str(run))
     # Signal once training is under way (its second checkpoint is written): what Slurm sends
     # before the time limit (--signal=B:USR1@120), to the batch shell only.
     wait_for_checkpoint(slurm_cluster, jid, run, out)
@@ -239,8 +250,8 @@ def test_cancelled_job_is_not_requeued(slurm_cluster, prepared, tmp_path):
     # dies before it could requeue, so a self-requeueing job can still be cancelled for good.
     data, _ = prepared
     run, out = tmp_path / "run", tmp_path / "train.out"
-    jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, CONFIG=str(REPO / "slurm/configs/demo.toml"),
-                 DATA=str(data), RUN_DIR=str(run))
+    jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, HVCTR_CONFIG=str(REPO / "slurm/configs/demo.toml"),
+                 HVCTR_DATA=str(data), HVCTR_RUN_DIR=str(run))
     wait_for_checkpoint(slurm_cluster, jid, run, out)
     slurm_cluster.run("scancel", str(jid))
     assert slurm_cluster.wait_done(jid)["JobState"] == "CANCELLED"
@@ -257,7 +268,7 @@ def test_hung_task_fails_the_job_instead_of_holding_it(slurm_cluster, prepared, 
     data, _ = prepared
     run, out = tmp_path / "run", tmp_path / "train.out"
     jid = submit(slurm_cluster, "train.sbatch", out, *TRAIN_FLAGS, "--train.stall_timeout_s=4",
-                 CONFIG=str(REPO / "slurm/configs/demo.toml"), DATA=str(data), RUN_DIR=str(run))
+                 HVCTR_CONFIG=str(REPO / "slurm/configs/demo.toml"), HVCTR_DATA=str(data), HVCTR_RUN_DIR=str(run))
     wait_for_checkpoint(slurm_cluster, jid, run, out)
     os.kill(task_pid(jid, 1), signal.SIGSTOP)
     t0 = time.monotonic()

@@ -63,3 +63,28 @@ def test_shellcheck_clean():
     r = subprocess.run(["shellcheck", "-x", "-s", "bash", *map(str, SCRIPTS), "slurm/env/default.sh"],
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_read_only_hvctr_prefixed_variables(script):
+    # sbatch exports the submitting shell's environment: an unprefixed name set there for
+    # something else would steer the job. Every script refuses the old names first.
+    text = script.read_text()
+    assert f"hvctr_refuse_old_names {script.name}" in text
+    assert text.index("hvctr_refuse_old_names") < text.index('source "$env_file"')
+    for old in ("DATA", "CONFIG", "OUT", "INPUT", "PYTHON", "HWMAP", "RUN_DIR", "SHARDS", "SPLIT"):
+        # never read from the environment (a default or a required value); the scripts' own
+        # shell variables of these names are set from the HVCTR_ ones
+        assert not re.search(r"\$\{" + old + r"[:?+-]", text), (script.name, old)
+
+
+def test_old_names_are_refused_with_the_new_ones_named():
+    names = REPO / "slurm" / "names.sh"
+    env = {"PATH": "/usr/bin:/bin", "OUT": "/x", "PYTHON": "/usr/bin/python3"}
+    r = subprocess.run(["bash", "-c", f'source "{names}"; hvctr_refuse_old_names prep.sbatch; echo reached'],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "reached" not in r.stdout
+    assert "OUT -> HVCTR_OUT" in r.stderr and "PYTHON -> HVCTR_PYTHON" in r.stderr
+    ok = subprocess.run(["bash", "-c", f'source "{names}"; hvctr_refuse_old_names prep.sbatch; echo reached'],
+                        env={"PATH": "/usr/bin:/bin", "HVCTR_OUT": "/x"}, capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip() == "reached"
