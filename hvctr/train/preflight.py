@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 from hvctr.config import Config, load_config
@@ -72,6 +73,7 @@ def preflight(config_path: str | None, overrides: list[str], resume: bool, init_
             held.append(RunLock(directory, command).acquire())
         cfg = check_inputs(cfg, rank, size, resume, init_from, eval_only, run_dir)
         identity, notes = (None, []) if eval_only else check_identity(cfg, directory, size, resume, init_from)
+        notes += check_directories(cfg, rank, size, directory)  # after the identity: a refused resume creates nothing
         if held and held[0].stale:
             notes.insert(0, held[0].stale)
         return Checked(cfg, held[0] if held else None, identity, notes)
@@ -132,6 +134,80 @@ def check_inputs(cfg: Config, rank: int, size: int, resume: bool, init_from: str
     if init_from is None:  # --init-from chooses between two checkpoint directories: the trainer decides
         _check_checkpoints(cfg, Path(run_dir or cfg.train.run_dir), size, resume)
     return size_shard(cfg, size, init_from, check=not eval_only)
+
+
+def first_checkpoint_bytes(cfg: Config, size: int) -> tuple[int, int]:
+    """(certain, at most) bytes of one rank's file of the run's first checkpoint. Certain: the
+    dense parameters with Adam's two moments. At most: with the rows of a base, as key, row and
+    pass: those of the fullest rank (the data manifest's distinct-key estimate dealt over the
+    ranks, at most the shard's capacity), and no more than the keys its samples carry before
+    the first checkpoint (checkpoint.every_windows, or train.max_steps, steps x batch x fields)."""
+    from hvctr.formats import RowLayout
+    from hvctr.plan.model import dense_params, rows_per_rank
+    from hvctr.train.data import load_manifest
+
+    rows = cfg.storage.rows_per_rank
+    try:
+        distinct = int(load_manifest(cfg.data.train_dir)["totals"]["distinct_keys_estimate_total"])
+        rows = min(rows, rows_per_rank(distinct, size))
+    except (ValueError, KeyError, TypeError):
+        pass
+    k = 1 if cfg.merge.mode.value == "sync" else cfg.merge.every_k_steps
+    steps = [n for n in (cfg.checkpoint.every_windows * k, cfg.train.max_steps) if n > 0]
+    if steps:
+        rows = min(rows, min(steps) * cfg.data.batch_size_per_rank * cfg.model.num_fields)
+    dense = 3 * 4 * dense_params(cfg.model, cfg.storage.dim)
+    return dense, dense + rows * (8 + RowLayout(cfg.storage.dim).row_bytes + 4)
+
+
+def check_directories(cfg: Config, rank: int, size: int, run_dir: Path, env=None) -> list[str]:
+    """The directories the job writes, before Horovod starts: ValueError naming the directory
+    and the config key it came from when one cannot be created or written, or when its file
+    system lacks the space the job certainly takes there. Rank 0: the run directory and the
+    checkpoint directory (the first checkpoint: every rank's dense state certainly, its rows
+    at most: first_checkpoint_bytes); every rank: its working-shard directory (the shard,
+    reserved whole at creation, for each of the node's ranks). Needs on one file system add
+    up. Returns warnings: a file system with room for the certain part, not for the most
+    (the checkpoint's own write then fails cleanly, keeping the previous one). The hardware
+    map's SSD directory is known only after placement: the trainer checks it.
+    """
+    from hvctr.plan.model import shard_bytes
+    from hvctr.train.rundir import usable_dir, working_shard_place
+
+    env = os.environ if env is None else env
+    ckpt_key = "config key 'checkpoint.dir'" if cfg.checkpoint.dir else "config key 'train.run_dir' (its checkpoints/)"
+    ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    shard_dir, source, _ = working_shard_place(cfg, run_dir, env=env)
+    shard_key = "config key 'storage.shard_dir'" + ("" if cfg.storage.shard_dir else f" (empty: working shards in {source})")
+    local_ranks = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or env.get("MPI_LOCALNRANKS") or 1)
+    shard = local_ranks * shard_bytes(cfg.storage.rows_per_rank, cfg.storage.dim, cfg.storage.max_load_factor)["total"]
+    places = [(shard_dir, shard_key, shard, shard,
+               f"{local_ranks} working shard(s) of {cfg.storage.rows_per_rank:,} rows (storage.rows_per_rank)")]
+    if rank == 0:
+        dense, most = first_checkpoint_bytes(cfg, size)
+        places = [(run_dir, "config key 'train.run_dir'", 0, 0, ""),
+                  (ckpt_dir, ckpt_key, size * dense, size * most, f"the first checkpoint ({size} rank file(s))")] + places
+    needs: dict[int, list] = {}
+    for path, key, certain, most, what in places:
+        existing = usable_dir(path, key)
+        entry = needs.setdefault(existing.stat().st_dev, [existing, 0, 0, []])
+        entry[1] += certain
+        entry[2] += most
+        if most:
+            entry[3].append(f"{what}: {certain / 2**20:,.1f} MiB"
+                            + (f" to {most / 2**20:,.1f} MiB" if most > certain else "") + f" in {path}")
+    warnings = []
+    for path, certain, most, whats in needs.values():
+        st = os.statvfs(path)
+        free = st.f_bavail * st.f_frsize
+        said = f"{free / 2**20:,.1f} MiB free, {{}} MiB needed ({'; '.join(whats)})"
+        if free < certain:
+            raise ValueError(f"not enough free space on the file system of {path}: " + said.format(f"{certain / 2**20:,.1f}")
+                             + "; free space there, or set train.run_dir, checkpoint.dir or storage.shard_dir elsewhere")
+        if free < most:
+            warnings.append(f"the file system of {path} may run out of space at the first checkpoint: "
+                            + said.format(f"up to {most / 2**20:,.1f}"))
+    return warnings
 
 
 def _prior_rows(init_from: str) -> int:

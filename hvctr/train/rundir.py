@@ -28,9 +28,13 @@ import hashlib
 import json
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hvctr.config import Config
 
 LOCK_NAME = "hvctr.lock"
 IDENTITY_NAME = "identity.json"
@@ -55,6 +59,28 @@ def describe_holder(holder: dict[str, Any] | None) -> str:
     return what
 
 
+def usable_dir(path: str | Path, what: str) -> Path:
+    """The nearest existing directory of ``path`` (itself, or the parent it would be created
+    in), once a real write there worked (a temporary file, removed: it tells root the truth
+    too); else a ValueError naming ``what`` (where the path came from, its config key) and the
+    path: a file in its way, no permission, a read-only file system. Creates nothing."""
+    p = Path(path).absolute()
+    anc = p
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        where = f"{p} is a file" if anc == p else f"{anc} is a file"
+        raise ValueError(f"{what}: cannot use {p} as a directory: {where}, not a directory")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".hvctr-probe-", dir=anc)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise ValueError(f"{what}: cannot {'write' if anc == p else 'create'} {p}: {e.strerror or e}"
+                         + ("" if anc == p else f" (in {anc})")) from None
+    return anc
+
+
 class RunLock:
     """An exclusive flock on ``<run_dir>/hvctr.lock``: ``RunLock(run_dir).acquire()``, held
     until ``release()`` or the end of the process. ``stale``: the note on a stale lock taken
@@ -70,6 +96,7 @@ class RunLock:
     def acquire(self) -> "RunLock":
         """ValueError naming the holder when another job holds the run directory, or naming the
         path when the directory cannot hold a lock file."""
+        usable_dir(self.run_dir, "config key 'train.run_dir'")
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
@@ -148,6 +175,56 @@ def _write_holder(fd: int, holder: dict[str, Any]) -> None:
     os.fsync(fd)
 
 
+# --- where the working shards go -------------------------------------------------------
+
+SCRATCH_VARS = ("SLURM_TMPDIR", "TMPDIR")  # node-local scratch, in the order tried
+
+
+def _same_file_system(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` (or their nearest existing parents) sit on one file system."""
+    def dev(p: Path) -> int:
+        p = p.absolute()
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        return p.stat().st_dev
+
+    try:
+        return dev(a) == dev(b)
+    except OSError:
+        return False
+
+
+def working_shard_place(cfg: Config, run_dir: Path, ssd_dir: str = "", env=None) -> tuple[Path, str, bool]:
+    """(directory, where it came from, whether it is scratch removed at exit) of a rank's
+    working shard, first that applies:
+
+    1. ``storage.shard_dir`` (kept);
+    2. the SSD the hardware map gives the rank (placement's ssd_dir, on its NUMA node): scratch;
+    3. node-local scratch: ``$SLURM_TMPDIR``, then ``$TMPDIR``, the first that is set, is a
+       directory and is not on the run directory's file system (a scratch directory there is
+       the shared file system again): scratch;
+    4. ``<run_dir>/shards`` (kept).
+
+    Scratch directories are named after the run (its name and a hash of its path: two runs
+    never share one, and a requeued start finds the same name)."""
+    env = os.environ if env is None else env
+    if cfg.storage.shard_dir:
+        return Path(cfg.storage.shard_dir), "storage.shard_dir", False
+    tag = f"{run_dir.name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]}"
+    if ssd_dir:
+        return Path(ssd_dir) / "hvctr-shards" / tag, "the hardware map's SSD", True
+    for var in SCRATCH_VARS:
+        scratch = env.get(var, "")
+        if scratch and os.path.isdir(scratch) and not _same_file_system(Path(scratch), run_dir):
+            return Path(scratch) / "hvctr-shards" / tag, f"${var} (node-local scratch)", True
+    return run_dir / "shards", "the run directory", False
+
+
+def working_shard_dir(cfg: Config, run_dir: Path, ssd_dir: str = "", env=None) -> Path:
+    """Where a rank's working shard goes (``working_shard_place``)."""
+    return working_shard_place(cfg, run_dir, ssd_dir, env)[0]
+
+
 # --- identity ----------------------------------------------------------------------------
 
 # What a resume must keep: the model and its state's shapes, the data and the position in it
@@ -180,7 +257,7 @@ def data_digest(train_dir: str) -> dict[str, Any]:
             "train_dir": str(Path(train_dir).resolve())}
 
 
-def run_identity(cfg, world_size: int) -> dict[str, Any]:
+def run_identity(cfg: Config, world_size: int) -> dict[str, Any]:
     """What identity.json records for a run started now with ``cfg`` on ``world_size`` ranks."""
     import hvctr
     from hvctr.config import to_dict

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -43,60 +41,13 @@ from hvctr.train.lr import LearningRates
 from hvctr.train.merger import KStepMerger, SyncGradients
 from hvctr.train.meter import Meter
 from hvctr.train.prefetch import Schedule, WindowSource
+from hvctr.train.rundir import working_shard_dir, working_shard_place  # noqa: F401 (working_shard_dir: callers)
 from hvctr.train.stop import StopRequest
 from hvctr.train.window import Window
 
 log = get_logger(__name__)
 
 STOP, CHECKPOINT = 0, 1  # indices of the control flags carried by the merge
-
-
-SCRATCH_VARS = ("SLURM_TMPDIR", "TMPDIR")  # node-local scratch, in the order tried
-
-
-def _same_file_system(a: Path, b: Path) -> bool:
-    """Whether ``a`` and ``b`` (or their nearest existing parents) sit on one file system."""
-    def dev(p: Path) -> int:
-        p = p.absolute()
-        while not p.exists() and p != p.parent:
-            p = p.parent
-        return p.stat().st_dev
-
-    try:
-        return dev(a) == dev(b)
-    except OSError:
-        return False
-
-
-def working_shard_place(cfg: Config, run_dir: Path, ssd_dir: str = "", env=None) -> tuple[Path, str, bool]:
-    """(directory, where it came from, whether it is scratch removed at exit) of a rank's
-    working shard, first that applies:
-
-    1. ``storage.shard_dir`` (kept);
-    2. the SSD the hardware map gives the rank (placement's ssd_dir, on its NUMA node): scratch;
-    3. node-local scratch: ``$SLURM_TMPDIR``, then ``$TMPDIR``, the first that is set, is a
-       directory and is not on the run directory's file system (a scratch directory there is
-       the shared file system again): scratch;
-    4. ``<run_dir>/shards`` (kept).
-
-    Scratch directories are named after the run (its name and a hash of its path: two runs
-    never share one, and a requeued start finds the same name)."""
-    env = os.environ if env is None else env
-    if cfg.storage.shard_dir:
-        return Path(cfg.storage.shard_dir), "storage.shard_dir", False
-    tag = f"{run_dir.name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]}"
-    if ssd_dir:
-        return Path(ssd_dir) / "hvctr-shards" / tag, "the hardware map's SSD", True
-    for var in SCRATCH_VARS:
-        scratch = env.get(var, "")
-        if scratch and os.path.isdir(scratch) and not _same_file_system(Path(scratch), run_dir):
-            return Path(scratch) / "hvctr-shards" / tag, f"${var} (node-local scratch)", True
-    return run_dir / "shards", "the run directory", False
-
-
-def working_shard_dir(cfg: Config, run_dir: Path, ssd_dir: str = "", env=None) -> Path:
-    """Where a rank's working shard goes (``working_shard_place``)."""
-    return working_shard_place(cfg, run_dir, ssd_dir, env)[0]
 
 
 class Trainer:

@@ -358,12 +358,15 @@ def test_full_disk_during_checkpoint_keeps_previous(failing_jobs, case, seq):
     assert list(disk.rglob("*.tmp")) == []  # the failed file was removed: the space is free again
 
 
-def test_full_disk_at_shard_creation(failing_jobs):
+def test_full_disk_for_the_shards_is_found_before_horovod(failing_jobs):
+    # Room for one shard, not for the node's two: the preflight adds up what the node's ranks
+    # reserve there (the creation's own check: tests/unit/test_reliability.py)
     ended, disk = _disk_job(failing_jobs, "full_disk_shard")
-    assert_clean_error(ended, rf"cannot create the shard {disk}/shard-r0000[01].h5 .*[Nn]o space left on device"
-                              rf".*storage.rows_per_rank")
-    assert "step " not in ended.output  # it failed at creation, not in training
-    assert list(disk.rglob("*.tmp")) == []
+    assert_clean_error(ended, rf"hvctr train: error: not enough free space on the file system of {disk}: "
+                              rf"40.0 MiB free, [0-9.]+ MiB needed \(2 working shard\(s\) of [0-9,]+ rows "
+                              rf"\(storage.rows_per_rank\)")
+    assert ended.returncode == 2 and "Horovod" not in ended.output and "training:" not in ended.output
+    assert list(disk.rglob("*")) == []
 
 
 # --- 5. bad input: one clear error before training, every rank gone ------------------------------

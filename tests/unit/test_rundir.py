@@ -27,7 +27,8 @@ from data_prep.mpi import Comm
 from data_prep.synth import generate
 from hvctr.config import load_config, write_toml
 from hvctr.train.checkpoint import write_manifest
-from hvctr.train.preflight import check_identity, check_inputs
+from hvctr.plan.model import shard_bytes
+from hvctr.train.preflight import check_directories, check_identity, check_inputs, first_checkpoint_bytes
 from hvctr.train.rundir import (IDENTITY_NAME, LOCK_NAME, RunLock, compare_identity, run_identity,
                                 write_identity)
 from tests.conftest import REPO, VENV_PY, mpi_env
@@ -71,13 +72,6 @@ def test_a_killed_holder_leaves_a_stale_lock_that_is_taken_over(holder):
     again = RunLock(run_dir).acquire()
     assert again.stale == ""
     again.release()
-
-
-def test_a_run_directory_under_a_file_is_named(tmp_path):
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match=r"cannot create the run directory's lock file .*/file/run/hvctr.lock: "
-                                         r"Not a directory"):
-        RunLock(tmp_path / "file" / "run").acquire()
 
 
 def test_hvctr_train_on_a_locked_run_directory_is_one_error_before_anything_is_read(holder, tmp_path):
@@ -124,7 +118,7 @@ def _started_run(run_dir: Path, data: Path):
     cfg = check_inputs(_cfg(run_dir, data), 0, 1, resume=False)
     identity, notes = check_identity(cfg, run_dir, 1, resume=False)
     assert identity is not None and notes == []
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     write_identity(run_dir, identity)
     write_toml(cfg, run_dir / "config.toml")
     (run_dir / "checkpoints" / "ckpt-000000").mkdir(parents=True)
@@ -195,3 +189,75 @@ def test_a_refused_resume_through_hvctr_train_writes_nothing(datasets, tmp_path)
     assert after.pop(LOCK_NAME) == b""  # taken and released
     assert after == before and {IDENTITY_NAME, "config.toml"} <= set(after)
     assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["checkpoints"]  # no logs/, no shards/
+
+
+# --- the directories a job writes, before Horovod starts ------------------------------------
+
+
+@pytest.mark.parametrize("where", ["run_dir_is_a_file", "run_dir_under_a_file", "checkpoint_dir_under_a_file",
+                                   "shard_dir_is_a_file"])
+def test_unusable_directories_are_named_with_their_config_key(datasets, tmp_path, where):
+    a, _ = datasets
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    run_dir, flags = tmp_path / "run", []
+    if where == "run_dir_is_a_file":
+        run_dir, want = blocker, f"config key 'train.run_dir': cannot use {blocker} as a directory: {blocker} is a file"
+    elif where == "run_dir_under_a_file":
+        run_dir, want = blocker / "run", f"config key 'train.run_dir': cannot use {blocker}/run as a directory: " \
+                                         f"{blocker} is a file, not a directory"
+    elif where == "checkpoint_dir_under_a_file":
+        flags, want = [f"--checkpoint.dir={blocker}/ck"], f"config key 'checkpoint.dir': cannot use {blocker}/ck"
+    else:
+        flags, want = [f"--storage.shard_dir={blocker}"], f"config key 'storage.shard_dir': cannot use {blocker} as"
+    cfg = _cfg(run_dir, a, *flags)
+    with pytest.raises(ValueError) as e:
+        check_directories(cfg, 0, 2, run_dir, env={})
+    assert str(e.value).startswith(want), str(e.value)
+
+
+def test_a_read_only_run_directory_is_named(datasets, tmpfs):
+    a, _ = datasets
+    ro = tmpfs(1 << 20)
+    r = subprocess.run(["mount", "-o", "remount,ro", str(ro)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot remount read-only: {r.stderr.strip()}")
+    with pytest.raises(ValueError, match=rf"config key 'train.run_dir': cannot create {ro}/run: "
+                                         rf"Read-only file system \(in {ro}\)"):
+        check_directories(_cfg(ro / "run", a), 0, 1, ro / "run", env={})
+
+
+def test_too_little_space_for_the_shard_and_first_checkpoint_is_named(datasets, tmpfs):
+    a, _ = datasets
+    small = tmpfs(4 << 20)
+    cfg = _cfg(small / "run", a, "--storage.rows_per_rank=200000")  # a 16 MiB shard
+    with pytest.raises(ValueError) as e:
+        check_directories(cfg, 0, 2, small / "run", env={"OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    msg = str(e.value)
+    assert msg.startswith(f"not enough free space on the file system of {small}: 4.0 MiB free, "), msg
+    assert "the first checkpoint (2 rank file(s)): " in msg
+    assert f"2 working shard(s) of 200,000 rows (storage.rows_per_rank)" in msg and f"in {small}/run/shards" in msg
+    assert [p for p in small.rglob("*") if p.is_file()] == []  # the write probes leave nothing
+
+
+def test_room_for_the_shard_but_maybe_not_the_first_checkpoint_is_a_warning(datasets, tmpfs):
+    a, _ = datasets
+    cfg = _cfg(Path("/unused"), a)
+    dense, most = first_checkpoint_bytes(cfg, 1)
+    shard = shard_bytes(cfg.storage.rows_per_rank, cfg.storage.dim, cfg.storage.max_load_factor)["total"]
+    assert most > dense + (1 << 20)
+    disk = tmpfs(shard + dense + (1 << 20) - (shard + dense) % 4096)
+    warnings = check_directories(_cfg(disk / "run", a), 0, 1, disk / "run", env={})
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"the file system of {disk} may run out of space at the first checkpoint: "), warnings
+
+
+def test_hvctr_train_with_a_run_directory_under_a_file_stops_before_horovod(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = subprocess.run([VENV_PY, "-m", "hvctr", "train", f"--train.run_dir={blocker}/run",
+                        f"--data.train_dir={tmp_path}"], cwd=REPO, env=mpi_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"hvctr train: error: config key 'train.run_dir': cannot use {blocker}/run as a "
+                                f"directory: {blocker} is a file, not a directory")
