@@ -45,8 +45,9 @@ def _count(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--map", required=True, metavar="HWMAP", help="hardware map of one node (slurm/hwmaps/)")
-    p.add_argument("--nodes", type=_count, default=1)
+    p.add_argument("--map", metavar="HWMAP",
+                   help="hardware map of one node (slurm/hwmaps/); default: the config's topology.hwmap")
+    p.add_argument("--nodes", type=_count, default=1, help="nodes of the job (default 1)")
     p.add_argument("--ranks-per-node", type=_count, default=0, help="default: one per GPU of the map, else 1")
     p.add_argument("--keys", type=_count, default=0,
                    help="distinct keys in the table (default with --data: the data's)")
@@ -144,7 +145,11 @@ def _curve(args: argparse.Namespace, cfg: Config, keys: int) -> KeyCurve:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = _config(args, overrides)
-    hwmap = load_map(args.map)
+    map_path = args.map or (cfg.topology.hwmap if cfg.topology.hwmap != "auto" else "")
+    if not map_path:
+        raise ValueError("hvctr plan needs a hardware map: --map slurm/hwmaps/<node>.toml, or --topology.hwmap "
+                         "in the config or as a flag (a file, not auto)")
+    hwmap = load_map(map_path)
     rpn = args.ranks_per_node or max(len(hwmap.gpus), 1)
     curve = _curve(args, cfg, args.keys)
     keys = args.keys or int(round(curve.keys))

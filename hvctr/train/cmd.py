@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:  # hvctr eval (hvctr/train/eval_cmd.py)
     p.add_argument("--run-dir", required=True, help="a run directory written by hvctr train")
-    p.add_argument("--split", default="valid", choices=("valid", "train"))
+    p.add_argument("--split", default="valid", choices=("valid", "train"),
+                   help="which split of the run's data to evaluate (default valid; the result goes to eval-<split>.json)")
 
 
 def _start(cfg: Config, run_dir: Path, program: str):
