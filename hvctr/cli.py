@@ -5,7 +5,8 @@
 Each subcommand is a module with ``add_arguments(parser)`` and ``run(args, overrides)`` (an
 exit code). Only the module of the command being run is imported, when its arguments are
 added: ``hvctr config``, ``topo`` and ``plan`` never load torch (a test holds them to that).
-Config overrides are the ``--section.key=value`` flags argparse did not consume.
+Config overrides are the ``--section.key=value`` (or ``--section.key value``) flags argparse
+did not consume.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hvctr",
         description="Terabyte-scale CTR training: SSD/CPU/GPU embedding tiers, k-step Adam merging over Horovod.",
-        epilog="Config overrides: any --section.key=value flag, e.g. --merge.every_k_steps=8.",
+        epilog="Config overrides: any --section.key=value or --section.key value flag, e.g. "
+               "--merge.every_k_steps=8 (`hvctr config --describe` lists every key).",
     )
     parser.add_argument("--version", action="version", version=f"hvctr {hvctr.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -58,6 +60,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:
             _command_module(name).add_arguments(p)
     return parser
+
+
+def join_override_values(argv: list[str]) -> list[str]:
+    """``--section.key value`` -> ``--section.key=value``, so both spellings reach argparse as
+    one token (a dotted name is never one of argparse's own options)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        dotted = a.startswith("--") and "=" not in a and "." in a[2:]
+        if dotted and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def _requested_command(argv: list[str]) -> str | None:
@@ -79,7 +97,7 @@ def _horovod_shut_down(e: BaseException | None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = join_override_values(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser(_requested_command(argv))
     args, rest = parser.parse_known_args(argv)
     if args.command is None:
@@ -87,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bad = [a for a in rest if not (a.startswith("--") and "." in a.split("=", 1)[0] and "=" in a)]
     if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are --section.key=value)")
+        parser.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are --section.key=value "
+                     f"or --section.key value)")
     run: Callable[[argparse.Namespace, list[str]], int] = _command_module(args.command).run
     try:
         return run(args, rest)

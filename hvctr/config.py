@@ -105,7 +105,7 @@ class StorageConfig:
     rows_per_rank: int = 0
     max_load_factor: float = 0.8  # the shard is full (an error) past this fraction of its slots
     cpu_cache_bytes: int = 256 << 20  # the CPU cache's budget of anonymous memory, per rank
-    cache_policy: CachePolicy = CachePolicy.LFU
+    cache_policy: CachePolicy = CachePolicy.LFU  # which rows the CPU cache keeps when it is full
     lfu_aging_lookups: int = 1 << 22  # LFU counts halve after this many key lookups
     max_working_set_rows: int = 1 << 21  # bound of a window's unique rows; the window shrinks to fit
     admit_after: int = 0  # a key seen fewer times is not stored: it reads the shared default row
@@ -119,7 +119,7 @@ class StorageConfig:
 
 @dataclass(frozen=True)
 class MergeConfig:
-    mode: MergeMode = MergeMode.KSTEP
+    mode: MergeMode = MergeMode.KSTEP  # kstep: the paper's k-step model merging; sync: the baseline
     every_k_steps: int = 4  # k: local steps between merges (the window length)
     # dense Adam states averaged with the parameters; params: same AUC as params+m+v in the k sweep
     # (BENCHMARKS.md, Training), a third of the bytes, better calibration; PaddleBox merges params too
@@ -134,23 +134,23 @@ class MergeConfig:
     # Dense outer step on the window's averaged move (SlowMo, arXiv 1910.00643): u = momentum * u
     # + (start - average); params = start - outer_lr * u. outer_lr 1, momentum 0: plain averaging
     outer_lr: float = 1.0
-    outer_momentum: float = 0.0
+    outer_momentum: float = 0.0  # the outer step's momentum (SlowMo, above); 0: none
     sparse_rule: SparseRule = SparseRule.AVERAGE  # what an owner keeps of a row several ranks moved (kstep)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: ModelArch = ModelArch.DNN
+    arch: ModelArch = ModelArch.DNN  # dnn: an MLP on the concatenated embeddings and dense features
     hidden: tuple[int, ...] = (512, 256)  # MLP hidden layers; the output layer (1) is added
-    num_dense: int = 13
-    num_fields: int = 26
+    num_dense: int = 13  # dense (numeric) features per row: Criteo's 13
+    num_fields: int = 26  # categorical fields per row, one key each: Criteo's 26
 
 
 @dataclass(frozen=True)
 class DataConfig:
     train_dir: str = ""  # data_prep output (its manifest.json and shards)
     valid_dir: str = ""  # empty: the validation split of train_dir
-    batch_size_per_rank: int = 4096
+    batch_size_per_rank: int = 4096  # rows per step on each rank; the global batch is this x the ranks
     prefetch: bool = True  # read and warm window t+1 while window t trains
     # checksums of the train shards at start: full (every start), stamp (once per data set: a
     # stamp beside the manifest records sizes and mtimes; a changed shard is checked again), off
@@ -159,16 +159,16 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    run_dir: str = "runs/default"
-    epochs: int = 1
+    run_dir: str = "runs/default"  # config.toml, logs/, metrics.jsonl, checkpoints/, summary.json of the run
+    epochs: int = 1  # passes over data.train_dir
     max_steps: int = 0  # stop after this many steps per rank; 0: run the epochs
-    dense_lr: float = 1e-3
-    sparse_lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    dense_lr: float = 1e-3  # Adam's learning rate of the MLP, at one rank (merge.lr_scaling scales it)
+    sparse_lr: float = 1e-3  # Adam's learning rate of the embedding rows, at one rank (merge.lr_scaling)
+    beta1: float = 0.9  # Adam's beta1, at one rank (merge.adam_scaling adapts it to W ranks)
+    beta2: float = 0.999  # Adam's beta2, at one rank (merge.adam_scaling)
+    eps: float = 1e-8  # Adam's epsilon, at one rank (merge.adam_scaling)
     seed: int = 1234  # dense parameter init; identical on every rank
-    device: Device = Device.AUTO
+    device: Device = Device.AUTO  # where the model and the working set live
     threads: int = 0  # torch threads per rank; 0: the placement plan's, else the rank's cpus / ranks sharing them
     queue_timeout_s: float = 900.0  # prefetch queue waits; a hung reader becomes an error
     # a collective that waits this long for a rank that never comes (hung, stopped, stuck in I/O)
@@ -187,7 +187,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    log_every_steps: int = 20
+    log_every_steps: int = 20  # a progress line (and a metrics.jsonl record) every this many steps
     all_ranks: bool = False  # every rank prints, not only rank 0
     auc_buckets: int = 1 << 16  # histogram buckets for AUC (error well under 1e-3)
     # validation (AUC, logloss, NE, COPC: read-only, as hvctr eval) every this many windows,
@@ -429,9 +429,20 @@ def _validate(cfg: Config) -> None:
 # --- the ``hvctr config`` command: shows the configuration a run would use, and checks it ---
 
 def add_arguments(p) -> None:
-    p.add_argument("--config", help="TOML file (see slurm/configs/)")
+    p.add_argument("--config", help="TOML file (see slurm/configs/); --section.key=value flags override it")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--describe", action="store_true",
+                      help="print every key with its default, type and meaning (the comments in hvctr/config.py)")
+    what.add_argument("--markdown", action="store_true",
+                      help="print docs/configuration.md, the same reference as Markdown (make docs writes it)")
 
 
 def run(args, overrides: list[str]) -> int:
-    print(to_toml(load_config(args.config, overrides)), end="")
+    cfg = load_config(args.config, overrides)  # checked even when only the reference is printed
+    if args.describe or args.markdown:
+        from hvctr import config_docs
+
+        print(config_docs.describe() if args.describe else config_docs.markdown(), end="")
+        return 0
+    print(to_toml(cfg), end="")
     return 0
