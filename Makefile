@@ -12,7 +12,7 @@ MPIRUN  := mpirun --bind-to none
 PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup test test-unit test-mpi test-e2e demo clean
+.PHONY: setup test test-unit test-mpi test-e2e demo docs clean
 
 setup:
 	@bash .ci/setup.sh
@@ -43,6 +43,10 @@ demo: setup
 	$(MPIRUN) -np 2 $(PY) -m mpi4py -m hvctr train --config slurm/configs/demo.toml \
 	    --data.train_dir=$(DEMO_DIR)/data --train.run_dir=$(DEMO_DIR)/run
 	$(MPIRUN) -np 2 $(PY) -m mpi4py -m hvctr eval --run-dir $(DEMO_DIR)/run
+
+# docs/configuration.md from the comments in hvctr/config.py (a unit test checks it is current).
+docs:
+	$(PY) -m hvctr config --markdown > docs/configuration.md
 
 clean:
 	rm -rf runs build *.egg-info

@@ -381,12 +381,12 @@ class _closing:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=int, required=True, metavar="N")
+    p.add_argument("--rows", type=int, required=True, metavar="N", help="data lines to write")
     p.add_argument("--seed", type=int, default=1, metavar="S", help="model and sampling seed")
-    p.add_argument("--out", required=True, metavar="FILE.tsv")
+    p.add_argument("--out", required=True, metavar="FILE.tsv", help="output file, Criteo TSV (label, 13 dense, 26 hex)")
     p.add_argument("--truth-out", metavar="FILE", help="true click probability of each row, one per line")
     p.add_argument("--target-auc", type=float, default=0.80, help="Bayes-optimal AUC the model is scaled to")
-    p.add_argument("--positive-rate", type=float, default=0.25)
+    p.add_argument("--positive-rate", type=float, default=0.25, help="fraction of clicks (default 0.25, as Criteo Kaggle)")
     p.add_argument("--day", type=int, default=0, help="day of a drifting click model (same keys, fresh rows)")
     p.add_argument("--drift", type=float, default=0.0,
                    help="fraction of each value effect's variance renewed per day (0: no drift)")

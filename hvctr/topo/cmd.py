@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exports", action="store_true",
                    help="print `export` lines naming --local-rank's NIC for MPI, Gloo, UCX and NCCL")
     p.add_argument("--local-size", type=int, default=0, help="ranks on the node (default: one per GPU, else 1)")
-    p.add_argument("--local-rank", type=int, default=0)
+    p.add_argument("--local-rank", type=int, default=0, help="the rank on the node whose --exports to print (default 0)")
     p.add_argument("--from-nvidia-smi", metavar="FILE", help="build the map from a saved `nvidia-smi topo -m`")
     p.add_argument("--name", default="", help="the map's name (default: the host name)")
     p.add_argument("--sysfs-only", action="store_true", help="discover from sysfs alone, without lstopo/nvidia-smi")
