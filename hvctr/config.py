@@ -98,7 +98,7 @@ class TopologyConfig:
 class StorageConfig:
     dim: int = 16  # embedding dimension D; a row holds 3 * (D + 1) + 1 float32
     # working shards; empty: the hardware map's SSD for the rank, else node-local scratch
-    # ($SLURM_TMPDIR, $TMPDIR: hvctr.train.trainer.working_shard_dir), else <run_dir>/shards
+    # ($SLURM_TMPDIR, $TMPDIR: hvctr.train.rundir.working_shard_dir), else <run_dir>/shards
     shard_dir: str = ""
     # capacity of each rank's SSD shard, in rows; 0: sized at start from the data manifest's
     # distinct-key estimate and the rank count, with headroom (hvctr.train.preflight.size_shard)
