@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("hvctr.offline.export", "write a run's model for serving: sorted key -> (w, w1) tables, dense tensors, manifest"),
     "score": ("hvctr.offline.score", "predict click probabilities for a Criteo file from an export alone"),
     "reshard": ("hvctr.offline.reshard", "rewrite a checkpoint for another number of ranks (moves whole buckets)"),
+    "sweep": ("hvctr.sweep.cmd", "hyperparameter search over hvctr train (Optuna, an optional extra): run | report | best"),
 }
 
 

@@ -1,0 +1,235 @@
+"""The study directory, shared by every worker of a study (on the shared file system):
+
+    DIR/study.json      what every worker must agree on: the space, the base config and
+                        overrides, sampler, pruner, seed (written by the first worker)
+    DIR/journal.log     Optuna's JournalStorage: an append-only log of operations, one JSON line
+                        each (no database server; the file is the study)
+    DIR/journal.log.lock, DIR/sweep.lock   Optuna's symlink locks (NFS-safe; a lock left by a
+                        killed process is taken over after 30 s): one around each journal
+                        append, one around a worker's reap-and-ask
+    DIR/trials/trial-NNNN/   one hvctr run directory per trial, with the worker's files:
+                        lease.json (host, pid; its mtime is the heartbeat), evals.jsonl (one line
+                        per validation: eval, step, AUC, logloss), train.log (hvctr train's output)
+
+A worker that dies (SIGKILL, a node lost, a preempted array task) leaves its trial RUNNING in
+the journal. The next worker to take the lock reaps it: a lease on this host whose pid is gone,
+or a heartbeat older than ``stale_after_s``, marks the trial FAIL and enqueues a retry with
+the same parameters that resumes the same run directory from its last checkpoint (the
+evaluations it had are reported again, so the pruner sees them). A worker stopped by
+SIGTERM/SIGINT does this itself after hvctr train checkpointed.
+
+The journal's appends are single write() calls on an O_APPEND descriptor under the lock, and a
+torn last line (a writer that died inside a write on a file system that tears) is cut off before
+the next append: a record is in the study whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import optuna
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
+
+STUDY_NAME = "hvctr-sweep"
+SETTINGS = "study.json"
+JOURNAL = "journal.log"
+LOCK_GRACE_S = 30
+MAX_RETRIES = 2  # a trial whose worker died is retried at most this many times
+
+
+class AtomicJournalBackend(JournalFileBackend):
+    """Optuna's file backend with appends that cannot interleave or leave a torn line behind."""
+
+    def __init__(self, path: str, lock: JournalFileSymlinkLock) -> None:
+        super().__init__(path, lock)
+        self._path, self._lock_obj = path, lock
+
+    def append_logs(self, logs: list[dict[str, Any]]) -> None:
+        data = ("\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n").encode()
+        with lock_held(self._lock_obj):
+            fd = os.open(self._path, os.O_RDWR | os.O_APPEND)
+            try:
+                _cut_torn_tail(fd)
+                view = memoryview(data)
+                while view:  # one write() on a local file; a loop for file systems that write short
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _cut_torn_tail(fd: int) -> None:
+    """A last line without its newline is a record cut by a writer's death: drop it (it was never
+    read as a record: Optuna's reader skips an unterminated last line)."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    pos = size
+    while pos > 0:
+        start = max(0, pos - 65536)
+        block = os.pread(fd, pos - start, start)
+        nl = block.rfind(b"\n")
+        if nl >= 0:
+            os.ftruncate(fd, start + nl + 1)
+            return
+        pos = start
+    os.ftruncate(fd, 0)
+
+
+@contextmanager
+def lock_held(lock: JournalFileSymlinkLock) -> Iterator[None]:
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+class StudyDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.lock = JournalFileSymlinkLock(str(self.path / "sweep"), grace_period=LOCK_GRACE_S)
+        self._storage: JournalStorage | None = None
+
+    @property
+    def journal(self) -> Path:
+        return self.path / JOURNAL
+
+    def exists(self) -> bool:
+        return (self.path / SETTINGS).is_file() and self.journal.is_file()
+
+    def settings(self) -> dict[str, Any]:
+        f = self.path / SETTINGS
+        if not f.is_file():
+            raise ValueError(f"{self.path} is not a sweep study: {f} is missing (hvctr sweep run creates it)")
+        try:
+            return json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: not JSON ({e})") from None
+
+    def create_or_check(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """The study's settings: ``settings`` for a new study; for an existing one, its own,
+        which must equal ``settings`` (workers of one study share them) unless that is empty."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "trials").mkdir(exist_ok=True)
+        with lock_held(self.lock):
+            f = self.path / SETTINGS
+            if f.is_file():
+                have = self.settings()
+                diff = sorted(k for k in set(have) | set(settings) if settings and have.get(k) != settings.get(k))
+                if diff:
+                    raise ValueError(f"{self.path} holds a study made with other settings ({', '.join(diff)}: "
+                                     f"{', '.join(f'{k}={have.get(k)!r}' for k in diff)}): join it with the same "
+                                     f"--space, --config, overrides, --sampler, --pruner and --seed, or use a new --study")
+                return have
+            if not settings:
+                raise ValueError(f"{self.path} holds no study yet: the first worker needs --space")
+            tmp = f.with_name(f.name + ".tmp")
+            tmp.write_text(json.dumps(settings, indent=1))  # key order kept: the space's order is the report's
+            os.replace(tmp, f)
+            return settings
+
+    def storage(self) -> JournalStorage:
+        if self._storage is None:
+            lock = JournalFileSymlinkLock(str(self.journal), grace_period=LOCK_GRACE_S)
+            self._storage = JournalStorage(AtomicJournalBackend(str(self.journal), lock))
+        return self._storage
+
+    def study(self, sampler=None, pruner=None) -> optuna.Study:
+        return optuna.create_study(study_name=STUDY_NAME, storage=self.storage(), sampler=sampler, pruner=pruner,
+                                   direction="maximize", load_if_exists=True)
+
+    def trial_dir(self, number: int) -> Path:
+        return self.path / "trials" / f"trial-{number:04d}"
+
+
+# --- leases: which RUNNING trials still have a live worker --------------------------------
+
+class Lease:
+    """The file that says a worker holds a trial; a thread touches it every ``beat_s``."""
+
+    def __init__(self, run_dir: Path, trial_number: int, beat_s: float) -> None:
+        self.path = run_dir / "lease.json"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name("lease.json.tmp")
+        tmp.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "trial": trial_number,
+                                   "since": time.time()}))
+        os.replace(tmp, self.path)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(beat_s,), daemon=True, name="sweep-lease")
+        self._thread.start()
+
+    def _beat(self, beat_s: float) -> None:
+        while not self._stop.wait(beat_s):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass  # the directory went away: the reaper decides by age
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lost_reason(run_dir: Path, started: float | None, stale_after_s: float, now: float | None = None) -> str:
+    """Why a RUNNING trial has no live worker ("" when it may have one)."""
+    now = time.time() if now is None else now
+    lease = run_dir / "lease.json"
+    try:
+        info = json.loads(lease.read_text())
+        age = now - lease.stat().st_mtime
+    except (OSError, json.JSONDecodeError):
+        # no lease yet: the worker died between ask and writing it, or is just writing it
+        age = now - (started or now)
+        return f"no lease, started {age:.0f} s ago" if age > stale_after_s else ""
+    if info.get("host") == socket.gethostname() and not _pid_alive(int(info.get("pid", -1))):
+        return f"worker pid {info.get('pid')} on {info.get('host')} is gone"
+    if age > stale_after_s:
+        return f"worker pid {info.get('pid')} on {info.get('host')}: no heartbeat for {age:.0f} s"
+    return ""
+
+
+def reap(sd: StudyDir, study: optuna.Study, stale_after_s: float, log=print) -> int:
+    """Marks FAIL every RUNNING trial whose worker is gone, and enqueues its retry (resuming its
+    run directory) unless it was retried MAX_RETRIES times. Call with the study lock held."""
+    n = 0
+    storage = study._storage
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        run_dir = Path(t.user_attrs.get("run_dir", sd.trial_dir(t.number)))
+        started = t.datetime_start.timestamp() if t.datetime_start else None
+        why = lost_reason(run_dir, started, stale_after_s)
+        if not why:
+            continue
+        storage.set_trial_user_attr(t._trial_id, "failed", f"worker lost: {why}")
+        storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+        retries = int(t.user_attrs.get("retry", 0))
+        if retries < MAX_RETRIES and t.params:
+            study.enqueue_trial(t.params, user_attrs={"run_dir": str(run_dir), "retry_of": t.number,
+                                                      "retry": retries + 1}, skip_if_exists=False)
+            log(f"trial {t.number}: {why}: marked failed; a retry resumes {run_dir}")
+        else:
+            log(f"trial {t.number}: {why}: marked failed (retried {retries} times already: no retry)")
+        n += 1
+    return n

@@ -1,0 +1,27 @@
+"""Stands in for ``python -m mpi4py -m hvctr train`` in the sweep worker tests (hvctr sweep run
+--launcher "python tests/unit/fake_train.py" puts it in front of the real command, which it
+reads but does not run): writes the run directory's summary.json as hvctr train would, with a
+validation AUC that depends on train.dense_lr and the steps, in milliseconds instead of a
+minute. Each call is recorded in <run_dir>/calls.txt (its max_steps and pid).
+
+FAKE_TRAIN_SLEEP=S, FAKE_TRAIN_SLEEP_FROM=N: sleep S seconds first when max_steps >= N.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+run = Path(args["train.run_dir"])
+steps = int(args["train.max_steps"])
+run.mkdir(parents=True, exist_ok=True)
+with open(run / "calls.txt", "a") as f:
+    f.write(f"{steps} {os.getpid()}\n")
+if steps >= int(os.environ.get("FAKE_TRAIN_SLEEP_FROM", "0")):
+    time.sleep(float(os.environ.get("FAKE_TRAIN_SLEEP", "0")))
+lr = float(args.get("train.dense_lr", 1e-3))
+auc = 0.76 - 0.03 * (math.log10(lr) + 2) ** 2 - 0.05 / steps
+(run / "summary.json").write_text(json.dumps({"steps": steps, "eval": {"auc": auc, "logloss": 1 - auc}}))
