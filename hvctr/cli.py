@@ -17,7 +17,7 @@ import sys
 from typing import Callable
 
 import hvctr
-from hvctr.dist.world import AgreedError, abort_job
+from hvctr.dist.world import AgreedError, abort_job, report_error
 
 # name -> (module, one-line help). The module provides add_arguments(parser) and run(args, overrides).
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, rest)
     except ValueError as e:  # user errors: bad config, bad input; a message, not a traceback
         agreed = isinstance(e, AgreedError)  # every rank raised it: rank 0 alone prints it
-        if not agreed or e.report:
-            print(f"hvctr {args.command}: error: {e}", file=sys.stderr)
+        if not agreed or e.report:  # another rank's error alone: once per job (report_error's gate)
+            report_error(f"hvctr {args.command}: error: {e}")
         if not agreed:
             abort_job(2)  # this rank's error alone: other ranks may wait in a collective
         return 2
@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         if not _horovod_shut_down(e):
             raise
         # Horovod shut down under this rank's collective: another rank failed inside Horovod.
-        print(f"hvctr {args.command}: error: Horovod shut down while this rank was in a collective "
-              f"({e.__class__.__name__}): another rank failed; its log (<run_dir>/logs) says why. "
-              f"--resume continues from the last complete checkpoint.", file=sys.stderr)
+        report_error(f"hvctr {args.command}: error: Horovod shut down while this rank was in a collective "
+                     f"({e.__class__.__name__}): another rank failed; its log (<run_dir>/logs) says why. "
+                     f"--resume continues from the last complete checkpoint.", secondary=True)
         abort_job(3)
         return 3
 

@@ -13,7 +13,10 @@ raises ``AgreedError``; the command line prints it where ``report`` is true.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -92,6 +95,51 @@ def check_collectively(check, size: int):
         result, error = None, str(e)
     raise_agreed(agree_on_errors(error), world_rank(), size)
     return result
+
+
+# Where a job's first error report is recorded (set once Horovod is up: hvctr.train.cmd). Its
+# creation with O_EXCL decides which rank prints: the first to fail; the others only log.
+_error_gate: Path | None = None
+SECONDARY_DELAY_S = 2.0  # a rank that fails because another did waits this long before reporting
+
+
+def set_error_gate(path: str | Path | None) -> None:
+    """From now on, ``report_error`` prints once per job: ``path``, the same on every rank (a
+    shared directory, a name unique to this start), is created by the rank that reports."""
+    global _error_gate
+    _error_gate = None if path is None else Path(path)
+
+
+def report_error(line: str, secondary: bool = False) -> bool:
+    """Prints ``line`` to stderr in one write (lines of ranks writing at once never mix), once
+    per job where a gate is set: the rank that creates the gate file prints (and records the
+    line in it), the others print nothing. ``secondary``: an error that follows another rank's
+    (Horovod shut down under us): it waits SECONDARY_DELAY_S first, so that the cause, if it is
+    reported at all, is the report. A gate that cannot be created for another reason than that it
+    exists (a full or read-only disk) does not silence the report. Returns whether it printed."""
+    data = (line.rstrip("\n") + "\n").encode(errors="replace")
+    if _error_gate is not None:
+        if secondary:
+            time.sleep(SECONDARY_DELAY_S)
+        try:
+            fd = os.open(_error_gate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            return False
+        except OSError:
+            pass
+        else:
+            try:
+                os.write(fd, data)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), data)
+    except (AttributeError, OSError, ValueError):  # stderr replaced by an object without a file (tests)
+        sys.stderr.write(data.decode())
+    return True
 
 
 def abort_job(code: int) -> None:

@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from hvctr.config import Config, write_toml
 from hvctr.dist.log import get_logger, setup_logging
+from hvctr.dist.world import set_error_gate
 from hvctr.train.preflight import preflight
 from hvctr.train.stop import StopRequest
 
@@ -73,6 +75,10 @@ def _start(cfg: Config, run_dir: Path, program: str):
     if comm.rank == 0:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     comm.barrier()  # comm: barrier: the run directory exists before any rank opens its log
+    # comm: broadcast of rank 0's name for this start's error record: the first rank to fail
+    # creates it and prints; the others' errors (often the same, or caused by it) go to their logs
+    start = comm.broadcast_object(f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", root=0, name="error_gate")
+    set_error_gate(run_dir / "logs" / f"error-{start}.txt")
     setup_logging(comm.rank, comm.size, cfg.metrics.all_ranks, file=str(run_dir / "logs" / f"rank-{comm.rank:05d}.log"))
     from hvctr.topo.bind import apply_placement, binding_report, format_binding_table
 

@@ -386,6 +386,17 @@ BAD_INPUTS = {
 }
 
 
+def test_an_error_of_every_rank_after_horovod_started_is_printed_once(failing_jobs):
+    # Not agreed (each rank finds it alone, at its own time): the first rank to fail creates
+    # the job's error record and prints; the other only logs, and MPI_Abort ends it.
+    ended, _ = failing_jobs["init_from_other_dim"]
+    assert_clean_error(ended, r"hvctr train: error: \S+/checkpoints/ckpt-\d+/rank-0000[01].h5: rows of width 28, "
+                              r"this run's rows have 16 \(storage.dim differs\)\n")
+    assert ended.returncode == 2
+    records = list((ended.run / "logs").glob("error-*.txt"))
+    assert len(records) == 1 and records[0].read_text() in ended.output
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_is_one_clear_error_before_training(failing_jobs, case):
     ended, _ = failing_jobs[case]
@@ -452,7 +463,8 @@ def failing_jobs(dataset, reference, killed_rank, tmp_path_factory):
         jobs_without_disk = ""
     try:
         jobs, where = {}, {}
-        for case in [*BAD_INPUTS, "data_truncated", "data_bitflip", "no_loadable_checkpoint", *disks]:
+        for case in [*BAD_INPUTS, "data_truncated", "data_bitflip", "no_loadable_checkpoint", "init_from_other_dim",
+                     *disks]:
             flags, np_, resume, run = list(BAD_INPUTS.get(case, ([], None))[0]), 2, False, root / case / "run"
             where[case] = data.get(case, dataset)  # what the test looks at besides the job's output
             if case == "other_world_size":
@@ -468,6 +480,8 @@ def failing_jobs(dataset, reference, killed_rank, tmp_path_factory):
                 flags = [f"--topology.hwmap={hwmap}"]
             elif case == "hwmap_ssd_not_a_directory":
                 flags = [f"--topology.hwmap={bad_ssd}"]
+            elif case == "init_from_other_dim":  # every rank fails loading it, after Horovod started
+                flags = ["--init-from", str(reference), "--storage.dim=4"]
             elif case in disks:
                 where[case], key = disks[case]
                 flags = [f"{key}={where[case]}"]
