@@ -371,8 +371,12 @@ def to_toml(cfg: Config) -> str:
 def write_toml(cfg: Config, path: str | Path) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(to_toml(cfg))
-    tmp.replace(path)
+    try:
+        tmp.write_text(to_toml(cfg))
+        tmp.replace(path)
+    except OSError as e:  # a full disk: nothing half-written left, one message naming the file
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write the resolved config {path}: {e.strerror or e}") from None
 
 
 # Validation ----------------------------------------------------------------------------

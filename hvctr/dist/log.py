@@ -43,6 +43,23 @@ class _RankFilter(logging.Filter):
         return self.rank == 0 or self.all_ranks or record.levelno >= logging.WARNING
 
 
+class _LogFile(logging.FileHandler):
+    """A rank's log file. A write that fails (a full disk) is said once, in one line naming
+    the file, and the file is left alone from then on: not a traceback per log line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        e = sys.exc_info()[1]
+        if not isinstance(e, OSError):
+            return super().handleError(record)
+        logging.getLogger(_ROOT).removeHandler(self)
+        sys.stderr.write(f"hvctr: cannot write the log file {self.baseFilename}: {e.strerror or e}; "
+                         f"this rank logs to the console only from now on\n")
+        try:
+            self.close()
+        except OSError:
+            pass
+
+
 def setup_logging(rank: int = 0, world_size: int = 1, all_ranks: bool = False,
                   level: int = logging.INFO, file: str | None = None) -> None:
     """Configures the ``hvctr`` logger; ``file`` also gets every line of this rank."""
@@ -58,7 +75,7 @@ def setup_logging(rank: int = 0, world_size: int = 1, all_ranks: bool = False,
     stream.addFilter(_RankFilter(rank, all_ranks))
     root.addHandler(stream)
     if file:
-        fh = logging.FileHandler(file)
+        fh = _LogFile(file)
         fh.setFormatter(RankFormatter(rank, width))
         root.addHandler(fh)
 

@@ -103,7 +103,7 @@ def _start(cfg: Config, run_dir: Path, program: str):
     reports = comm.allgather_object(binding_report(placement), name="binding")
     log.info("rank binding:\n" + format_binding_table(reports))
     if comm.rank == 0:
-        (run_dir / "binding.json").write_text(json.dumps(reports, indent=1))
+        _write_json(run_dir / "binding.json", reports)
     device = torch.device(_device(cfg, placement.device))
     return comm, device, placement.ssd_dir
 
@@ -192,9 +192,14 @@ def _eval(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
 
 
 def _write_json(path: Path, obj: Any) -> None:
+    """``path`` under a temporary name, then renamed; on a failed write nothing is left of it."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def format_summary(s: dict[str, Any]) -> str:

@@ -33,7 +33,11 @@ class Meter:
         self.seconds = {p: 0.0 for p in PHASES}
         self.log_every_steps = log_every_steps
         self.global_batch = batch_size_per_rank * world_size
-        self._file = open(metrics_path, "a") if metrics_path is not None and rank == 0 else None
+        self._path = metrics_path
+        try:
+            self._file = open(metrics_path, "a") if metrics_path is not None and rank == 0 else None
+        except OSError as e:
+            raise ValueError(f"cannot open the run's metrics file {metrics_path}: {e.strerror or e}") from None
         self._t_start = time.perf_counter()
         self._t_last = self._t_start
         self._steps_last = 0
@@ -70,8 +74,13 @@ class Meter:
         """One JSON line in metrics.jsonl (rank 0)."""
         if self._file is not None:
             event = {"time": round(time.time(), 3), **event}
-            self._file.write(json.dumps(event, sort_keys=True) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(event, sort_keys=True) + "\n")
+                self._file.flush()
+            except OSError as e:  # a full disk: one message naming the file, not a traceback
+                raise ValueError(f"cannot write the run's metrics file {self._path} ({event.get('event')} record): "
+                                 f"{e.strerror or e}; free space there (--resume continues from the last "
+                                 f"complete checkpoint)") from None
 
     def maybe_log(self, step: int, total_steps: int, extra: dict[str, Any]) -> None:
         if step - self._steps_last < self.log_every_steps and step != total_steps:
@@ -108,8 +117,11 @@ class Meter:
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:  # a write that failed already said so (record)
+                pass
 
 
 def eta_seconds(steps_done: int, steps_left: int, seconds: float) -> float | None:

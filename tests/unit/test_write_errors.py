@@ -1,0 +1,89 @@
+"""A full disk outside checkpoint writes: one message naming the file, nothing half-written.
+
+Real small disks (a tmpfs, filled up; root only, else skipped): the run's metrics file, the
+JSON files and config.toml of the run directory, a rank's log file, and any other write a
+command did not name itself (hvctr.cli's last resort: the path and the reason, exit 2).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from hvctr import cli
+from hvctr.config import Config, write_toml
+from hvctr.dist.log import get_logger, setup_logging
+from hvctr.train.cmd import _write_json
+from hvctr.train.meter import Meter
+
+
+def _fill(disk: Path) -> None:
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def full_disk(tmpfs):
+    disk = tmpfs(1 << 20)
+    (disk / "run").mkdir()
+    return disk
+
+
+def test_metrics_on_a_full_disk_is_a_message_naming_the_file(full_disk):
+    path = full_disk / "run" / "metrics.jsonl"
+    meter = Meter(0, path, 1, 16, 2)
+    _fill(full_disk)
+    with pytest.raises(ValueError, match=rf"cannot write the run's metrics file {path} \(progress record\): "
+                                         rf"No space left on device"):
+        meter.record({"event": "progress", "step": 1, "pad": "x" * 8192})
+    meter.close()  # the failed buffer does not raise again
+
+
+@pytest.mark.parametrize("what", ["json", "toml"])
+def test_run_directory_files_on_a_full_disk_leave_nothing_half_written(full_disk, what):
+    _fill(full_disk)
+    path = full_disk / "run" / ("summary.json" if what == "json" else "config.toml")
+    with pytest.raises(ValueError, match=rf"cannot write (the resolved config )?{path}: No space left on device"):
+        if what == "json":
+            _write_json(path, {"pad": "x" * 100_000})
+        else:
+            write_toml(Config(), path)
+    assert list((full_disk / "run").iterdir()) == []
+
+
+def test_a_log_file_on_a_full_disk_is_said_once(full_disk, capsys):
+    log_file = full_disk / "run" / "rank-00000.log"
+    setup_logging(0, 1, file=str(log_file))
+    try:
+        _fill(full_disk)
+        log = get_logger("hvctr.test")
+        for i in range(5):
+            log.info("x" * 8192)
+        err = capsys.readouterr().err
+        assert err.count(f"hvctr: cannot write the log file {log_file}: No space left on device") == 1, err
+        assert "Traceback" not in err and "Logging error" not in err
+    finally:
+        setup_logging(0, 1)
+        logging.getLogger("hvctr").handlers.clear()
+
+
+def test_any_other_write_error_is_one_line_naming_the_path(monkeypatch, capsys, tmp_path):
+    class Module:
+        @staticmethod
+        def add_arguments(p):
+            pass
+
+        @staticmethod
+        def run(args, overrides):
+            raise OSError(28, "No space left on device", str(tmp_path / "out.h5"))
+
+    monkeypatch.setattr(cli, "_command_module", lambda name: Module)
+    assert cli.main(["export"]) == 2
+    assert capsys.readouterr().err == f"hvctr export: error: {tmp_path / 'out.h5'}: No space left on device\n"
