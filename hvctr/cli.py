@@ -118,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         if not agreed:
             abort_job(2)  # this rank's error alone: other ranks may wait in a collective
         return 2
-    except Exception as e:
     except OSError as e:  # a file the command did not turn into a message of its own: its path, once
         if e.filename is None:
             raise
         report_error(f"hvctr {args.command}: error: {e.filename}: {e.strerror or e}")
         abort_job(2)
         return 2
+    except Exception as e:
         if not _horovod_shut_down(e):
             raise
         # Horovod shut down under this rank's collective: another rank failed inside Horovod.
