@@ -44,6 +44,13 @@ py_tag=$("$PY" -c 'import sys; print("%d%d" % sys.version_info[:2])')
 gpu_tag=""; [ -n "${HOROVOD_GPU_OPERATIONS:-}" ] && gpu_tag="-$(echo "$HOROVOD_GPU_OPERATIONS" | tr 'A-Z' 'a-z')"
 WHEEL_DIR="$CACHE/wheels/horovod-$HOROVOD_VERSION-torch$torch_tag-py$py_tag$gpu_tag"
 
+# The MPI a wheel was built against (mpicc -show: its include and library paths) is recorded
+# beside it; a cached wheel from another MPI (another module loaded) is built again.
+mpi_id=$(mpicc -show 2>/dev/null || true)
+if [ -n "$mpi_id" ] && [ -f "$WHEEL_DIR/mpi.txt" ] && [ "$(cat "$WHEEL_DIR/mpi.txt")" != "$mpi_id" ]; then
+  log "the cached wheel was built against another MPI ($(cat "$WHEEL_DIR/mpi.txt")): building for this one ($mpi_id)"
+  HVCTR_HOROVOD_REBUILD=1
+fi
 if [ "${HVCTR_HOROVOD_REBUILD:-0}" = 1 ] || ! ls "$WHEEL_DIR"/horovod-$HOROVOD_VERSION-*.whl >/dev/null 2>&1; then
   command -v mpicc >/dev/null 2>&1 || die "no mpicc on PATH: install an MPI with its compiler wrappers (Debian: apt-get install libopenmpi-dev openmpi-bin; a cluster: module load openmpi or your site's MPI)"
   command -v "${CXX:-c++}" >/dev/null 2>&1 || die "no C++ compiler (${CXX:-c++}) on PATH"
@@ -66,6 +73,7 @@ if [ "${HVCTR_HOROVOD_REBUILD:-0}" = 1 ] || ! ls "$WHEEL_DIR"/horovod-$HOROVOD_V
   HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
   HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}" \
     pip_ wheel -q --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp.$$" "$src"
+  printf '%s\n' "$mpi_id" > "$WHEEL_DIR.tmp.$$/mpi.txt"
   # Publish the directory whole (rename), so that a concurrent or interrupted build never
   # leaves a half-written wheel where pip looks.
   rm -rf "$WHEEL_DIR" && mv "$WHEEL_DIR.tmp.$$" "$WHEEL_DIR"

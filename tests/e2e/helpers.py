@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from tests.conftest import VENV_PY, mpi_env
+from tests.conftest import REPO, VENV_PY, mpi_env
 
 SMALL = ["--model.hidden=32,16", "--storage.dim=8", "--data.batch_size_per_rank=256",
          "--storage.rows_per_rank=200000", "--metrics.log_every_steps=10",
@@ -39,6 +40,19 @@ def make_dataset(tmp_path_factory) -> Path:
     subprocess.run([VENV_PY, "-m", "data_prep", "criteo", "--input", str(tsv), "--out", str(shards),
                     "--shards", "6", "--valid-fraction", "0.1"], check=True, capture_output=True, timeout=300)
     return shards
+
+
+def copy_checkout(dest: Path) -> Path:
+    """The checkout's files as a clean clone would have them plus uncommitted work: tracked and
+    untracked-not-ignored files (no .venv, no built library)."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout
+    for rel in filter(None, files.split("\0")):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
 
 
 def job_env() -> dict[str, str]:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.e2e.helpers import job_env, make_dataset, train_cmd
+from tests.e2e.helpers import copy_checkout, job_env, make_dataset, train_cmd
 
 COMPILERS = ["cc", "gcc", "g++", "c++", "cpp", "clang", "clang++", "ld", "as", "x86_64-linux-gnu-gcc",
              "x86_64-linux-gnu-gcc-12", "gcc-12", "nvcc"]
@@ -28,20 +27,8 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
     return r
 
 
-def _copy_checkout(dest: Path) -> Path:
-    """The checkout's files as a clean clone would have them plus uncommitted work: tracked and
-    untracked-not-ignored files (no .venv, no built library)."""
-    files = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO).stdout
-    for rel in filter(None, files.split("\0")):
-        src = REPO / rel
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-    return dest
-
-
 def test_pip_install_into_a_fresh_venv_then_the_unit_tests_pass(tmp_path):
-    src = _copy_checkout(tmp_path / "src")
+    src = copy_checkout(tmp_path / "src")
     venv = tmp_path / "venv"
     base = getattr(sys, "_base_executable", None) or shutil.which("python3")
     _run([base, "-m", "venv", str(venv)])
