@@ -279,3 +279,40 @@ def test_hung_task_fails_the_job_instead_of_holding_it(slurm_cluster, prepared, 
     assert re.search(r"hvctr train: error: rank 0: collective '[^']+' has waited \d+ s .*train\.stall_timeout_s = 4",
                      text), text[-4000:]
     assert "action=exit" in (run / "slurm" / "events.log").read_text()
+
+
+def test_sweep_array_tasks_are_workers_of_one_study(slurm_cluster, prepared, tmp_path):
+    """slurm/sweep.sbatch as a 2-task job array: each task a worker of one study, its trials'
+    ranks started by srun inside the task; 3 tiny trials (2 evaluations each), each run once
+    as a normal run directory; then hvctr sweep report and best read the study."""
+    optuna = pytest.importorskip("optuna")
+    from hvctr.cli import main
+    from hvctr.sweep.study import StudyDir
+
+    data, _ = prepared
+    space, study = tmp_path / "space.toml", tmp_path / "study"
+    space.write_text('[trial]\nsteps = 6\nevals = 2\nranks = 1\n\n[params]\n'
+                     '"train.dense_lr" = { low = 1e-3, high = 3e-2, log = true }\n')
+    flags = ["--model.hidden=16", "--storage.dim=4", "--data.batch_size_per_rank=256",
+             "--storage.rows_per_rank=100000", "--checkpoint.every_windows=0", "--train.threads=1"]
+    job = slurm_cluster.sbatch(["--array=0-1", "--ntasks=1", f"--output={tmp_path}/sweep-%a.out",
+                                str(REPO / "slurm" / "sweep.sbatch"), "--trials", "3", *flags],
+                               env=job_env(slurm_cluster, HVCTR_STUDY=str(study), HVCTR_SPACE=str(space),
+                                           HVCTR_DATA=str(data)), cwd=REPO)
+    for task in (0, 1):
+        record = slurm_cluster.wait_done(f"{job.job_id}_{task}", timeout=600)
+        assert_completed(record, tmp_path / f"sweep-{task}.out")
+    trials = optuna.load_study(study_name="hvctr-sweep", storage=StudyDir(study).storage()).get_trials()
+    assert [t.number for t in trials] == [0, 1, 2]
+    assert {t.state.name for t in trials} <= {"COMPLETE", "PRUNED"} and trials[0].state.name == "COMPLETE"
+    for t in trials:
+        run = Path(t.user_attrs["run_dir"])
+        assert json.loads((run / "summary.json").read_text())["steps"] == t.user_attrs["steps"]
+        assert "srun --mpi=pmix" in (run / "train.log").read_text()
+    out = "".join((tmp_path / f"sweep-{task}.out").read_text() for task in (0, 1))
+    assert out.count("nothing left to run") == 2, out
+    assert main(["sweep", "report", "--study", str(study)]) == 0
+    assert (study / "report" / "auc_vs_params.png").is_file()
+    assert main(["sweep", "best", "--study", str(study), "--out", str(tmp_path / "best.toml")]) == 0
+    assert f"--data.train_dir={data}" not in (tmp_path / "best.toml").read_text()
+    assert f'train_dir = "{data}"' in (tmp_path / "best.toml").read_text()
