@@ -182,7 +182,8 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 class CheckpointWriteError(ValueError):
-    """A rank file or manifest could not be written (a full disk): nothing of it is kept."""
+    """A rank file or manifest could not be written (a full disk): nothing of it is kept (the
+    rank file's temporary file, or the checkpoint's directory when its manifest failed)."""
 
 
 def _early_dcpl() -> h5py.h5p.PropDCID:
@@ -311,17 +312,23 @@ class CheckpointManager:
         manifest = {"format_version": FORMAT_VERSION, "seq": seq, "kind": "base" if is_base else "delta",
                     "base_seq": base_seq, "chain": chain, "world_size": self.comm.size,
                     "state": asdict(state), "files": files, "kernels": native.kernel_path(), **extra}
-        if self.comm.rank == 0:
-            try:
-                manifest = write_manifest(ckdir / "manifest.json", manifest)
-            except OSError as e:
-                (ckdir / "manifest.json.tmp").unlink(missing_ok=True)
-                raise self._write_error(seq, ckdir / "manifest.json", e) from None
-            self._prune(manifest)
-        self._last = manifest
-        # comm: barrier so that no rank runs ahead of a manifest that is not yet written
-        self.comm.barrier()
+        # comm: agree on rank 0's manifest write (also the barrier: no rank runs ahead of it)
+        written = self.comm.agree(lambda: self._write_manifest(ckdir, seq, manifest), name=f"ckpt{seq}.manifest")
+        self._last = written if self.comm.rank == 0 else manifest
         return ckdir
+
+    def _write_manifest(self, ckdir: Path, seq: int, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0: the manifest, then pruning; where it cannot be written, the checkpoint's
+        directory goes (every rank's file: the checkpoint is not kept, and its space is free)."""
+        if self.comm.rank != 0:
+            return manifest
+        try:
+            manifest = write_manifest(ckdir / "manifest.json", manifest)
+        except OSError as e:
+            shutil.rmtree(ckdir, ignore_errors=True)
+            raise self._write_error(seq, ckdir / "manifest.json", e) from None
+        self._prune(manifest)
+        return manifest
 
     def _write_rank_file(self, path: Path, seq: int, kind: str, dense: dict[str, torch.Tensor], store) -> int:
         """This rank's file of checkpoint ``seq`` (a base: every row; a delta: rows written since
@@ -428,11 +435,29 @@ class CheckpointManager:
                 dest.parent.mkdir(exist_ok=True)
                 shutil.rmtree(dest, ignore_errors=True)
                 os.replace(path, dest)
+                os.utime(dest)  # the time it was set aside: the newest are kept (_prune_rejected)
             if newer:
                 log.warning(f"checkpoints {', '.join(p.name for p in sorted(newer))} are newer than checkpoint "
                             f"{manifest['seq']} but cannot be loaded: moved to {self.dir / 'rejected'}")
+            self._prune_rejected()
         # comm: barrier: no rank writes its next checkpoint before the old ones are out of the way
         self.comm.barrier()
+
+    def _prune_rejected(self) -> None:
+        """rejected/ keeps the ``keep`` checkpoints set aside last: each resume after a crash
+        may add some, and a long run's restarts would otherwise fill the disk with them."""
+        rejected = self.dir / "rejected"
+        if not rejected.is_dir():
+            return
+        entries = sorted(rejected.iterdir(), key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+        for old in entries[self.keep:]:
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink(missing_ok=True)
+        if len(entries) > self.keep:
+            log.info(f"{rejected}: kept the {self.keep} checkpoints set aside last (checkpoint.keep), removed "
+                     f"{len(entries) - self.keep} older")
 
     def bucket_owner(self, manifest: dict[str, Any]) -> np.ndarray:
         """The bucket table of a checkpoint: build the store with it before ``load``."""
