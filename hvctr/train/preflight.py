@@ -74,6 +74,7 @@ def preflight(config_path: str | None, overrides: list[str], resume: bool, init_
         cfg = check_inputs(cfg, rank, size, resume, init_from, eval_only, run_dir)
         identity, notes = (None, []) if eval_only else check_identity(cfg, directory, size, resume, init_from)
         notes += check_directories(cfg, rank, size, directory)  # after the identity: a refused resume creates nothing
+        check_memory(cfg)
         if held and held[0].stale:
             notes.insert(0, held[0].stale)
         return Checked(cfg, held[0] if held else None, identity, notes)
@@ -304,3 +305,45 @@ def _check_checkpoints(cfg: Config, run_dir: Path, size: int, resume: bool) -> N
         raise ValueError(f"{directory}: checkpoint {m['seq']} was written by {m['world_size']} ranks, this run has "
                          f"{size}: resume with {m['world_size']} ranks, or reshard the checkpoint to {size} first "
                          f"(hvctr reshard --checkpoint {directory} --world-size {size} --out NEW_RUN_DIR/checkpoints)")
+
+
+def available_memory(meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> tuple[int, str]:
+    """(bytes this process can still allocate, where the figure comes from): the node's
+    MemAvailable, or less where the process's cgroup (a Slurm job's --mem) leaves less."""
+    avail, source = -1, ""
+    try:
+        for line in open(meminfo):
+            if line.startswith("MemAvailable:"):
+                avail, source = int(line.split()[1]) * 1024, f"MemAvailable in {meminfo}"
+    except (OSError, ValueError, IndexError):
+        pass
+    if cgroup is None:
+        try:  # cgroup v2: "0::/path"
+            rel = next(ln.split(":", 2)[2].strip() for ln in open("/proc/self/cgroup") if ln.startswith("0::"))
+            cgroup = f"/sys/fs/cgroup{rel}"
+        except (OSError, StopIteration, IndexError):
+            cgroup = ""
+    try:
+        limit = open(os.path.join(cgroup, "memory.max")).read().strip() if cgroup else "max"
+        if limit != "max":
+            left = int(limit) - int(open(os.path.join(cgroup, "memory.current")).read())
+            if avail < 0 or left < avail:
+                avail, source = left, f"the cgroup limit {cgroup}/memory.max less its memory.current"
+    except (OSError, ValueError):
+        pass
+    return avail, source
+
+
+def check_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> None:
+    """ValueError naming storage.cpu_cache_bytes when the CPU caches of the node's ranks
+    (each allocates its budget at start) exceed the memory available to them."""
+    env = os.environ if env is None else env
+    local_ranks = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or env.get("MPI_LOCALNRANKS") or 1)
+    need = local_ranks * cfg.storage.cpu_cache_bytes
+    avail, source = available_memory(meminfo, cgroup)
+    if avail >= 0 and need > avail:
+        per_rank = max(avail // max(local_ranks, 1) * 3 // 4, 0)
+        raise ValueError(f"config key 'storage.cpu_cache_bytes': {cfg.storage.cpu_cache_bytes:,} bytes per rank x "
+                         f"{local_ranks} rank(s) on this node = {need / 2**30:,.2f} GiB, but only "
+                         f"{avail / 2**30:,.2f} GiB are available ({source}); set it to at most about "
+                         f"{per_rank:,} (3/4 of the available memory over the node's ranks)")

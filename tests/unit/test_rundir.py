@@ -28,7 +28,8 @@ from data_prep.synth import generate
 from hvctr.config import load_config, write_toml
 from hvctr.train.checkpoint import write_manifest
 from hvctr.plan.model import shard_bytes
-from hvctr.train.preflight import check_directories, check_identity, check_inputs, first_checkpoint_bytes
+from hvctr.train.preflight import (check_directories, check_identity, check_inputs, check_memory,
+                                   first_checkpoint_bytes)
 from hvctr.train.rundir import (IDENTITY_NAME, LOCK_NAME, RunLock, compare_identity, run_identity,
                                 write_identity)
 from tests.conftest import REPO, VENV_PY, mpi_env
@@ -261,3 +262,35 @@ def test_hvctr_train_with_a_run_directory_under_a_file_stops_before_horovod(tmp_
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (f"hvctr train: error: config key 'train.run_dir': cannot use {blocker}/run as a "
                                 f"directory: {blocker} is a file, not a directory")
+
+
+# --- memory: the CPU caches against what the node has --------------------------------------
+
+
+def test_a_cache_larger_than_available_memory_is_named(datasets, tmp_path):
+    a, _ = datasets
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8000000 kB\nMemAvailable:   4194304 kB\n")  # 4 GiB
+    cfg = _cfg(tmp_path / "run", a, "--storage.cpu_cache_bytes=3000000000")
+    check_memory(cfg, env={}, meminfo=str(meminfo), cgroup="")  # one rank: 2.8 GiB fit
+    with pytest.raises(ValueError, match=r"config key 'storage.cpu_cache_bytes': 3,000,000,000 bytes per rank x 2 "
+                                         r"rank\(s\) on this node = 5.59 GiB, but only 4.00 GiB are available "
+                                         r"\(MemAvailable in .*meminfo\); set it to at most about 1,610,612,736"):
+        check_memory(cfg, env={"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, meminfo=str(meminfo), cgroup="")
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.max").write_text(str(3 << 30))
+    (cg / "memory.current").write_text(str(1 << 30))
+    with pytest.raises(ValueError, match=r"only 2.00 GiB are available \(the cgroup limit .*memory.current\)"):
+        check_memory(cfg, env={}, meminfo=str(meminfo), cgroup=str(cg))
+
+
+def test_hvctr_train_with_a_cache_beyond_the_machine_stops_before_horovod(datasets, tmp_path):
+    a, _ = datasets
+    r = subprocess.run([VENV_PY, "-m", "hvctr", "train", f"--train.run_dir={tmp_path / 'run'}", f"--data.train_dir={a}",
+                        *SMALL, "--storage.cpu_cache_bytes=1e15"], cwd=REPO, env=mpi_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("hvctr train: error: config key 'storage.cpu_cache_bytes': 1,000,000,000,000,000 "
+                               "bytes per rank x 1 rank(s) on this node"), r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
