@@ -57,11 +57,13 @@ def rows_per_rank(data: str, world: int) -> int:
 
 
 def run_one(how: str, data: str, world: int, mode: str, flags: list[str], work: Path, threads: int,
-            batch: int) -> dict:
-    """One epoch of one configuration; the simulation's JSON summary or the real run's eval."""
-    run_dir = work / "runs" / f"{how}-{Path(data).name}-w{world}-{mode}-{abs(hash(tuple(flags))) % 10**8}"
+            batch: int, global_batch: int = 0) -> dict:
+    """One epoch of one configuration; the simulation's JSON summary or the real run's eval.
+    ``global_batch`` > 0 fixes the global batch (data.global_batch_size: each rank takes it / W)."""
+    run_dir = work / "runs" / f"{how}-{Path(data).name}-g{global_batch}-w{world}-{mode}-{abs(hash(tuple(flags))) % 10**8}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    common = [f"--data.train_dir={data}", f"--train.run_dir={run_dir}", f"--data.batch_size_per_rank={batch}",
+    batch_flag = f"--data.global_batch_size={global_batch}" if global_batch else f"--data.batch_size_per_rank={batch}"
+    common = [f"--data.train_dir={data}", f"--train.run_dir={run_dir}", batch_flag,
               f"--storage.rows_per_rank={rows_per_rank(data, world)}", "--checkpoint.every_windows=0",
               *mode_flags(mode), *flags]
     env = dict(os.environ, **MPI_ENV)
@@ -82,7 +84,9 @@ def run_one(how: str, data: str, world: int, mode: str, flags: list[str], work: 
         out = {"auc": summary["eval"]["auc"], "logloss": summary["eval"]["logloss"], "steps": summary["steps"]}
     shutil.rmtree(run_dir / "shards", ignore_errors=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    return {"how": how, "data": Path(data).name, "batch": batch, "ranks": world, "mode": mode, "flags": flags,
+    label = Path(data).name + (f"-G{global_batch}" if global_batch else "")
+    return {"how": how, "data": label, "batch": global_batch // world if global_batch else batch,
+            "global_batch": global_batch, "ranks": world, "mode": mode, "flags": flags,
             "auc": out["auc"], "logloss": out["logloss"], "steps": out.get("steps"), "wall_s": round(time.time() - t0, 1)}
 
 
@@ -140,8 +144,10 @@ def render(results: dict[str, dict], command: str) -> str:
             gap = "" if not base or w == 1 else f" ({r['auc'] - base['auc']:+.4f})"
             cells.append(f"{r['auc']:.4f}{gap}, {r['logloss']:.4f}")
         mode_name = "sync" if mode == "sync" else f"k={mode}"
-        batch = next(iter(by_w.values())).get("batch", 4096)
-        lines.append(f"| {data}, B={batch} | {rule} | {mode_name} | {how} | " + " | ".join(cells) + " |")
+        first = next(iter(by_w.values()))
+        fixed = first.get("global_batch", 0)
+        batch = f"G={fixed} (B=G/W)" if fixed else f"B={first.get('batch', 4096)}"
+        lines.append(f"| {data}, {batch} | {rule} | {mode_name} | {how} | " + " | ".join(cells) + " |")
     named = sorted({k.split("|")[2] for k in results} & set(LEGEND))
     lines += ["", "Rules:", ""] + [f"- {n}: {LEGEND[n]}" for n in named]
     return "\n".join(lines) + "\n"
@@ -186,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="sync,8,32")
     p.add_argument("--rules", default="default=", help="name=flags;name=flags ...")
     p.add_argument("--batch", type=int, default=4096, help="data.batch_size_per_rank")
+    p.add_argument("--global-batch", type=int, default=0,
+                   help="data.global_batch_size: the global batch fixed at every W (each rank G / W rows); "
+                        "replaces --batch")
     p.add_argument("--real", default="", help="rank counts to also run as real mpirun jobs, e.g. 2,4,8")
     p.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0))))
     p.add_argument("--work-dir", required=True)
@@ -201,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
             for data in args.data.split(",") for rule in rules for mode in args.modes.split(",")
             for how, ranks in (("sim", args.ranks), ("real", args.real)) for w in map(int, filter(None, ranks.split(",")))]
     for i, (how, data, rule, mode, w) in enumerate(plan):
-        k = f"{how}|{Path(data).name}|{rule}|{mode}|{w}"
+        label = Path(data).name + (f"-G{args.global_batch}" if args.global_batch else "")
+        k = f"{how}|{label}|{rule}|{mode}|{w}"
         if k in results:
             continue
-        r = run_one(how, data, w, mode, rules[rule], work, args.threads, args.batch)
+        r = run_one(how, data, w, mode, rules[rule], work, args.threads, args.batch, args.global_batch)
         # Several drivers may share a work directory: merge into what is there now, then rename.
         results = {**(json.loads(store.read_text()) if store.exists() else {}), **results, k: r}
         tmp = store.with_name(f"{store.name}.{os.getpid()}.tmp")

@@ -151,6 +151,9 @@ class DataConfig:
     train_dir: str = ""  # data_prep output (its manifest.json and shards)
     valid_dir: str = ""  # empty: the validation split of train_dir
     batch_size_per_rank: int = 4096  # rows per step on each rank; the global batch is this x the ranks
+    # > 0: the global batch, fixed whatever the rank count: each rank takes this / W rows per step
+    # (replaces batch_size_per_rank), and merge.lr_scaling / adam_scaling see no batch growth
+    global_batch_size: int = 0
     prefetch: bool = True  # read and warm window t+1 while window t trains
     # checksums of the train shards at start: full (every start), stamp (once per data set: a
     # stamp beside the manifest records sizes and mtimes; a changed shard is checked again), off
@@ -406,6 +409,7 @@ def _validate(cfg: Config) -> None:
     _require(m.outer_lr > 0, "merge.outer_lr", f"must be > 0, got {m.outer_lr}")
     _require(0 <= m.outer_momentum < 1, "merge.outer_momentum", f"must be in [0, 1), got {m.outer_momentum}")
     _require(d.batch_size_per_rank >= 1, "data.batch_size_per_rank", f"must be >= 1, got {d.batch_size_per_rank}")
+    _require(d.global_batch_size >= 0, "data.global_batch_size", f"must be >= 0, got {d.global_batch_size}")
     per_batch = d.batch_size_per_rank * cfg.model.num_fields
     _require(
         s.max_working_set_rows >= per_batch,

@@ -21,26 +21,33 @@ from __future__ import annotations
 
 import math
 
-from hvctr.config import AdamScaling, LrScaling, MergeConfig, TrainConfig
+from hvctr.config import AdamScaling, DataConfig, LrScaling, MergeConfig, TrainConfig
 
 
-def world_factor(rule: LrScaling, world_size: int) -> float:
-    """The factor the rates reach after warmup at ``world_size`` ranks."""
+def batch_growth(data: DataConfig, world_size: int) -> int:
+    """How many times one rank's batch the global batch is: W, or 1 where ``data.global_batch_size``
+    fixes the global batch (W ranks then take the steps one rank would, on the same samples)."""
+    return 1 if data.global_batch_size else world_size
+
+
+def world_factor(rule: LrScaling, growth: int) -> float:
+    """The factor the rates reach after warmup for a global batch ``growth`` times one rank's."""
     if rule is LrScaling.LINEAR:
-        return float(world_size)
+        return float(growth)
     if rule is LrScaling.SQRT:
-        return math.sqrt(world_size)
+        return math.sqrt(growth)
     return 1.0
 
 
 class LearningRates:
     """``dense(step)`` and ``sparse(step)``: the rates of the step with this (0-based) index."""
 
-    def __init__(self, train: TrainConfig, merge: MergeConfig, world_size: int) -> None:
+    def __init__(self, train: TrainConfig, merge: MergeConfig, growth: int) -> None:
+        """``growth``: the global batch over one rank's (``batch_growth``: W, or 1 at a fixed global batch)."""
         self.base_dense, self.base_sparse = train.dense_lr, train.sparse_lr
-        self.target = world_factor(merge.lr_scaling, world_size)
+        self.target = world_factor(merge.lr_scaling, growth)
         self.warmup = merge.lr_warmup_steps
-        kappa = math.sqrt(world_size) if merge.adam_scaling is AdamScaling.SQRT else 1.0
+        kappa = math.sqrt(growth) if merge.adam_scaling is AdamScaling.SQRT else 1.0
         # Adam's constants at this world size (the configured ones at W = 1 or without adam_scaling)
         self.beta1 = max(0.0, 1.0 - kappa * (1.0 - train.beta1)) if kappa != 1.0 else train.beta1
         self.beta2 = max(0.0, 1.0 - kappa * (1.0 - train.beta2)) if kappa != 1.0 else train.beta2

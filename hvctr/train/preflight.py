@@ -131,10 +131,23 @@ def check_inputs(cfg: Config, rank: int, size: int, resume: bool, init_from: str
         except ValueError as e:
             raise ValueError(f"config key 'topology.hwmap': {e}") from None
         check_map_matches_machine(hwmap)
+    cfg = size_batch(cfg, size)
     _check_data(cfg, rank, size, eval_only)
     if init_from is None:  # --init-from chooses between two checkpoint directories: the trainer decides
         _check_checkpoints(cfg, Path(run_dir or cfg.train.run_dir), size, resume)
     return size_shard(cfg, size, init_from, check=not eval_only)
+
+
+def size_batch(cfg: Config, size: int) -> Config:
+    """``cfg`` with ``data.batch_size_per_rank`` = ``data.global_batch_size`` / W where the global
+    batch is fixed (> 0): the same steps over the same samples at any rank count."""
+    g = cfg.data.global_batch_size
+    if g == 0:
+        return cfg
+    if g % size:
+        raise ValueError(f"config key 'data.global_batch_size': {g} is not a multiple of the world size {size}: "
+                         f"each rank takes global / W rows per step (set it to {max(size, g // size * size)})")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size_per_rank=g // size))
 
 
 def first_checkpoint_bytes(cfg: Config, size: int) -> tuple[int, int]:

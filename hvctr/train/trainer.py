@@ -37,7 +37,7 @@ from hvctr.optim import (adam_step_count, apply_adam_to_rows, gather_rows, get_a
                          sparse_adam_step, sum_rows_grad)
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.train.feed import TrainData
-from hvctr.train.lr import LearningRates
+from hvctr.train.lr import LearningRates, batch_growth
 from hvctr.train.merger import KStepMerger, SyncGradients
 from hvctr.train.meter import Meter
 from hvctr.train.prefetch import Schedule, WindowSource
@@ -64,7 +64,7 @@ class Trainer:
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
         t = cfg.train
         # merge.lr_scaling, merge.adam_scaling: the rates of each step and Adam's constants at W ranks
-        self.lr = LearningRates(t, cfg.merge, comm.size)
+        self.lr = LearningRates(t, cfg.merge, batch_growth(cfg.data, comm.size))
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=t.dense_lr, betas=(self.lr.beta1, self.lr.beta2),
                                           eps=self.lr.eps)
         self.data = TrainData(cfg.data, comm, run_dir=run_dir)

@@ -54,3 +54,23 @@ def test_adam_scaling_shortens_the_moments_memory_by_sqrt_w():
     off = LearningRates(t, MergeConfig(adam_scaling=AdamScaling.NONE), 64)
     assert (off.beta1, off.beta2, off.eps) == (0.9, 0.999, 1e-8)
     assert LearningRates(t, MergeConfig(adam_scaling=AdamScaling.SQRT), 400).beta1 == 0.0  # never negative
+
+
+def test_a_fixed_global_batch_is_dealt_over_the_ranks_and_grows_nothing():
+    from hvctr.config import DataConfig
+    from hvctr.train.lr import batch_growth
+    from hvctr.train.preflight import size_batch
+
+    cfg = load_config(None, ["--data.global_batch_size=4096"])
+    assert size_batch(cfg, 64).data.batch_size_per_rank == 64
+    assert size_batch(cfg, 1).data.batch_size_per_rank == 4096
+    plain = load_config(None, ["--data.batch_size_per_rank=512"])
+    assert size_batch(plain, 8) == plain  # 0: the per-rank batch as given
+    with pytest.raises(ValueError, match="data.global_batch_size.*not a multiple of the world size 3"):
+        size_batch(cfg, 3)
+    with pytest.raises(ValueError, match="data.global_batch_size"):
+        load_config(None, ["--data.global_batch_size=-1"])
+    # the rates and Adam scale with the global batch's growth, not the rank count
+    assert batch_growth(DataConfig(), 16) == 16 and batch_growth(DataConfig(global_batch_size=4096), 16) == 1
+    fixed = LearningRates(TrainConfig(), MergeConfig(), batch_growth(DataConfig(global_batch_size=4096), 64))
+    assert fixed.factor(0) == 1.0 and (fixed.beta1, fixed.beta2, fixed.eps) == (0.9, 0.999, 1e-8)
