@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import heapq
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -62,6 +63,8 @@ def open_sources(paths: list[str], fmt: str = "auto") -> list[Source]:
 
 def _open_source(index: int, path: str, fmt: str) -> Source:
     apath = os.path.abspath(path)
+    if os.path.isdir(apath):
+        raise ValueError(f"{path}: a directory, not an input file")
     if not os.path.isfile(apath):
         raise ValueError(f"{path}: input file not found")
     size = os.path.getsize(apath)
@@ -69,8 +72,8 @@ def _open_source(index: int, path: str, fmt: str) -> Source:
         with open(apath, "rb") as f:
             is_gz = f.read(2) == GZIP_MAGIC
         head = _read_head(apath, is_gz)
-    except (OSError, EOFError) as e:
-        raise ValueError(f"{path}: cannot read input: {e}") from e
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"{path}: cannot read input: {e}") from None
     first, _, rest = head.partition(b"\n")
     if not head.strip():
         raise ValueError(f"{path}: empty input (no data lines)")
@@ -167,10 +170,11 @@ def _split_last_line(buf: bytes, final: bool) -> tuple[bytes, bytes]:
 def _gzip_blocks(src: Source, block_bytes: int) -> Iterator[tuple[bytes, int]]:
     with open(src.path, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
         if src.header_lines:
-            gz.readline()
-        carry, read_before = b"", raw.tell()
+            _gzip_read(gz.readline, src, raw, 0)
+        carry, read_before, text = b"", raw.tell(), 0
         while True:
-            data = gz.read(block_bytes)
+            data = _gzip_read(lambda: gz.read(block_bytes), src, raw, text)
+            text += len(data)
             final = not data
             lines, carry = _split_last_line(carry + data, final)
             pos = raw.tell()
@@ -179,6 +183,17 @@ def _gzip_blocks(src: Source, block_bytes: int) -> Iterator[tuple[bytes, int]]:
                 read_before = pos
             if final:
                 return
+
+
+def _gzip_read(read, src: Source, raw, text_bytes: int) -> bytes:
+    """``read()`` of a gzip stream; a truncated or corrupt stream is a ValueError naming the file
+    and where it broke (a compressed byte offset: what was read of the file so far)."""
+    try:
+        return read()
+    except (EOFError, OSError, zlib.error) as e:
+        why = "truncated" if isinstance(e, EOFError) else "corrupt"
+        raise ValueError(f"{src.path}: {why} gzip input: {e} (at compressed byte {raw.tell():,} of {src.size:,}, "
+                         f"after {text_bytes:,} bytes of text)") from None
 
 
 def count_lines(path: str, begin: int, end: int) -> int:

@@ -59,16 +59,25 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     torch.use_deterministic_algorithms(True)
     model = ExportedModel(args.model)
     acc = EvalAccumulator()
-    out = open(args.out + ".tmp", "w") if args.out else sys.stdout
+    tmp = args.out + ".tmp" if args.out else ""
+    try:
+        out = open(tmp, "w") if args.out else sys.stdout
+    except OSError as e:
+        raise ValueError(f"--out {args.out}: cannot write it: {e.strerror or e}") from None
     try:
         for labels, logits in score_file(model, args.input, args.batch_size or model.batch_size):
             np.savetxt(out, torch.sigmoid(logits).numpy(), fmt="%.9g")  # 9 digits: float32 round-trips
             acc.add_logits(logits, torch.from_numpy(labels))
+        if args.out:
+            out.close()
+            os.replace(tmp, args.out)
+    except OSError as e:  # a full disk under --out: nothing half-written is left
+        raise ValueError(f"--out {args.out}: cannot write it: {e.strerror or e}") from None
     finally:
         if args.out:
             out.close()
-    if args.out:
-        os.replace(args.out + ".tmp", args.out)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     r = acc.result()
     print(f"hvctr score: {r['count']:,} rows  AUC {r['auc']:.4f}  logloss {r['logloss']:.4f}  "
           f"NE {r['ne']:.4f}  COPC {r['copc']:.3f}",
