@@ -23,6 +23,7 @@ from hvctr.dist.world import AgreedError, abort_job, report_error
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("hvctr.train.cmd", "train a CTR model (under mpirun/srun: python -m mpi4py -m hvctr train ...)"),
     "eval": ("hvctr.train.eval_cmd", "evaluate a run's newest checkpoint on its validation split"),
+    "report": ("hvctr.train.report", "draw a run's report.png (loss, validation AUC/NE, samples/s, cache, time) and print its summary"),
     "simulate": ("hvctr.sim.cmd", "W ranks of hvctr train in one process, in turn (quality at many ranks on one machine)"),
     "config": ("hvctr.config", "print the resolved configuration (defaults < file < flags) as TOML"),
     "topo": ("hvctr.topo.cmd", "discover the node's hardware map (TOML), or print the placement plan of its ranks"),

@@ -90,7 +90,8 @@ class Meter:
         self._train_s += max(now - self._t_last, 0.0)
         eta = eta_seconds(step - self._step0, total_steps - step, self._train_s)
         loss = self._loss_sum / max(self._loss_n, 1)
-        event = {"event": "progress", "step": step, "samples_per_s": round(rate, 1),
+        event = {"event": "progress", "step": step, "samples": step * self.global_batch,
+                 "samples_per_s": round(rate, 1),
                  "loss": round(loss, 5), "eta_s": None if eta is None else round(eta, 1), **extra}
         self.record(event)
         pct = 100.0 * step / max(total_steps, 1)
