@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--launcher", default="mpirun -np {ranks} --bind-to none",
                    help="command that starts a trial's ranks before `python -m mpi4py -m hvctr train`; "
                         "{ranks} is the space's trial.ranks (slurm/sweep.sbatch: srun)")
+    r.add_argument("--max-failures", type=int, default=5,
+                   help="stop this worker (exit 2) after this many failed trials in a row")
     r.add_argument("--stale-after", type=float, default=120.0,
                    help="seconds without a heartbeat after which a running trial's worker counts as lost")
     rep = sub.add_parser("report", help="table of trials and PNG plots")

@@ -85,15 +85,18 @@ class Worker:
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        done = 0
+        done = failed_in_a_row = 0
         try:
             while not self.stop_signal and (self.args.max_trials == 0 or done < self.args.max_trials):
                 trial = self._next_trial()
                 if trial is None:
                     log(f"the study holds {self.args.trials} trials: nothing left to run")
                     break
-                self._run_trial(trial)
+                failed_in_a_row = failed_in_a_row + 1 if self._run_trial(trial) is TrialState.FAIL else 0
                 done += 1
+                if failed_in_a_row >= self.args.max_failures:  # a broken base config: every trial fails
+                    raise ValueError(f"{failed_in_a_row} trials in a row failed (--max-failures): stopping this "
+                                     f"worker; the trials' train.log under {self.sd.path / 'trials'} say why")
         except Stopped:
             pass
         finally:
@@ -123,29 +126,37 @@ class Worker:
             self.lease = Lease(run_dir, trial.number, beat_s=max(1.0, self.args.stale_after / 4))
             return trial
 
-    def _run_trial(self, trial: optuna.Trial) -> None:
+    def _run_trial(self, trial: optuna.Trial) -> TrialState | None:
         run_dir = Path(trial.user_attrs["run_dir"])
         t0 = time.time()
+        params: dict[str, Any] = {}
         try:
             params = {p.key: p.suggest(trial) for p in self.space.params}
-            state, value = self._train(trial, run_dir, params)
+            (state, value), note = self._train(trial, run_dir, params), ""
         except Stopped:
-            self._tell_interrupted(trial, run_dir)
+            self._tell_interrupted(trial, run_dir, t0)
+            self.lease.release()
             raise
         except optuna.exceptions.UpdateFinishedTrialError:
             log(f"trial {trial.number}: another worker marked it finished (reaped as lost): abandoned")
             self._kill_child()
-            return
-        except TrialFailed as e:
-            trial.set_user_attr("failed", str(e))
-            self.study.tell(trial, state=TrialState.FAIL)
-            log(f"trial {trial.number}: failed: {e}")
-            return
-        finally:
-            trial.set_user_attr("wall_s", round(time.time() - t0, 1))
             self.lease.release()
+            return None
+        except TrialFailed as e:
+            state, value, note = TrialState.FAIL, None, str(e)
+        self._finish(trial, t0, state, value, note)
+        self.lease.release()  # after the tell: a reaper never sees a running trial without a lease
+        if state is TrialState.FAIL:
+            log(f"trial {trial.number}: failed: {note}")
+        else:
+            log(f"trial {trial.number}: {state.name.lower()}, AUC {value:.4f}  {_fmt(params)}")
+        return state
+
+    def _finish(self, trial: optuna.Trial, t0: float, state: TrialState, value: float | None, note: str) -> None:
+        trial.set_user_attr("wall_s", round(time.time() - t0, 1))
+        if note:
+            trial.set_user_attr("failed", note)
         self.study.tell(trial, value if state is TrialState.COMPLETE else None, state=state)
-        log(f"trial {trial.number}: {state.name.lower()}, AUC {value:.4f}  {_fmt(params)}")
 
     def _train(self, trial: optuna.Trial, run_dir: Path, params: dict[str, Any]) -> tuple[TrialState, float]:
         evals_file = run_dir / "evals.jsonl"
@@ -180,6 +191,8 @@ class Worker:
 
     def _chunk(self, trial: optuna.Trial, run_dir: Path, params: dict[str, Any], max_steps: int) -> dict[str, Any]:
         """hvctr train up to ``max_steps``, resuming the run directory's newest checkpoint."""
+        if self.stop_signal:
+            raise Stopped()
         s = self.settings
         overrides = [*s["overrides"], *(f"--{k}={v}" for k, v in params.items()),
                      f"--train.run_dir={run_dir}", f"--train.max_steps={max_steps}"]
@@ -201,13 +214,12 @@ class Worker:
         except (OSError, json.JSONDecodeError) as e:
             raise TrialFailed(f"hvctr train exited 0 but {run_dir / 'summary.json'} is unreadable ({e})") from None
 
-    def _tell_interrupted(self, trial: optuna.Trial, run_dir: Path) -> None:
+    def _tell_interrupted(self, trial: optuna.Trial, run_dir: Path, t0: float) -> None:
         """Stopped by a signal: the trial fails, and a retry queued with the same parameters
         resumes its run directory from the checkpoint hvctr train wrote on the way out."""
         self._kill_child()
         retries = int(trial.user_attrs.get("retry", 0))
-        trial.set_user_attr("failed", f"worker stopped by signal {self.stop_signal}")
-        self.study.tell(trial, state=TrialState.FAIL)
+        self._finish(trial, t0, TrialState.FAIL, None, f"worker stopped by signal {self.stop_signal}")
         self.study.enqueue_trial(trial.params, user_attrs={"run_dir": str(run_dir), "retry_of": trial.number,
                                                            "retry": retries + 1}, skip_if_exists=False)
         log(f"trial {trial.number}: marked failed; a retry queued resumes {run_dir}")

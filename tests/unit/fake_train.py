@@ -4,12 +4,15 @@ reads but does not run): writes the run directory's summary.json as hvctr train 
 validation AUC that depends on train.dense_lr and the steps, in milliseconds instead of a
 minute. Each call is recorded in <run_dir>/calls.txt (its max_steps and pid).
 
-FAKE_TRAIN_SLEEP=S, FAKE_TRAIN_SLEEP_FROM=N: sleep S seconds first when max_steps >= N.
+FAKE_TRAIN_SLEEP=S, FAKE_TRAIN_SLEEP_FROM=N: sleep S seconds first when max_steps >= N; SIGUSR1
+ends it with 75, as it does hvctr train (after a checkpoint). FAKE_TRAIN_FAIL=TEXT: exit 3 when
+the run directory's name contains TEXT.
 """
 
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,6 +23,10 @@ steps = int(args["train.max_steps"])
 run.mkdir(parents=True, exist_ok=True)
 with open(run / "calls.txt", "a") as f:
     f.write(f"{steps} {os.getpid()}\n")
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))
+if os.environ.get("FAKE_TRAIN_FAIL") and os.environ["FAKE_TRAIN_FAIL"] in run.name:
+    print("fake_train: this run fails, for the test", file=sys.stderr)
+    sys.exit(3)
 if steps >= int(os.environ.get("FAKE_TRAIN_SLEEP_FROM", "0")):
     time.sleep(float(os.environ.get("FAKE_TRAIN_SLEEP", "0")))
 lr = float(args.get("train.dense_lr", 1e-3))

@@ -182,3 +182,32 @@ def test_without_optuna_it_says_how_to_install_it(tmp_path):
             f"raise SystemExit(main(['sweep', 'report', '--study', {str(tmp_path)!r}]))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "pip install 'hvctr[sweep]'" in r.stderr, r.stderr
+
+
+def test_a_stopped_worker_queues_a_resuming_retry_and_a_failing_trial_is_named(tmp_path, space):
+    study = tmp_path / "study"
+    env = {**os.environ, "FAKE_TRAIN_SLEEP": "60", "FAKE_TRAIN_SLEEP_FROM": "20"}
+    p = subprocess.Popen(worker_cmd(study, space, 3, "--worker-id", "0", "--pruner", "none"), cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    calls = study / "trials" / "trial-0000" / "calls.txt"
+    _wait(lambda: calls.is_file() and len(calls.read_text().splitlines()) == 2)
+    p.send_signal(signal.SIGTERM)  # scancel, a preempted array task: SIGUSR1 to the trainer, exit 75
+    out = p.communicate(timeout=60)[0]
+    assert p.returncode == 143, out
+    assert "trial 0: marked failed; a retry queued resumes" in out
+    (t0, retry) = trials_of(study)
+    assert t0.state.name == "FAIL" and t0.user_attrs["failed"] == "worker stopped by signal 15"
+    assert retry.state.name == "WAITING" and retry.user_attrs["retry_of"] == 0
+
+    # the next worker takes the retry first; a trial whose trainer fails is failed, named, and skipped
+    r = run_worker(study, None, 3, "--worker-id", "1", env={**os.environ, "FAKE_TRAIN_FAIL": "trial-0002"})
+    trials = trials_of(study)
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE", "FAIL", "COMPLETE", "COMPLETE"], r.stdout
+    assert trials[1].params == t0.params and trials[1].user_attrs["run_dir"] == t0.user_attrs["run_dir"]
+    assert [int(line.split()[0]) for line in calls.read_text().splitlines()] == [10, 20, 20, 30]
+    assert trials[2].user_attrs["failed"].startswith("hvctr train exited with 3 (its output: ")
+    assert "this run fails, for the test" in (Path(trials[2].user_attrs["run_dir"]) / "train.log").read_text()
+    # a trainer that always fails stops the worker after --max-failures in a row, with a message
+    r = subprocess.run(worker_cmd(study, None, 6, "--worker-id", "2", "--max-failures", "2"), cwd=REPO,
+                       env={**os.environ, "FAKE_TRAIN_FAIL": "trial-"}, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "2 trials in a row failed" in r.stderr, r.stdout + r.stderr
