@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -223,6 +224,47 @@ def working_shard_place(cfg: Config, run_dir: Path, ssd_dir: str = "", env=None)
 def working_shard_dir(cfg: Config, run_dir: Path, ssd_dir: str = "", env=None) -> Path:
     """Where a rank's working shard goes (``working_shard_place``)."""
     return working_shard_place(cfg, run_dir, ssd_dir, env)[0]
+
+
+def private_scratch_dir(path: str | Path) -> Path:
+    """Creates ``<scratch>/hvctr-shards/<run tag>`` for this user alone, refusing what someone
+    else planted there.
+
+    Scratch directories ($TMPDIR, a node's SSD) are often world-writable and the run tag is
+    predictable, so another user could put a symbolic link or a directory of theirs there and
+    have the shard written through it. ``hvctr-shards`` is shared by the node's users, like
+    /tmp: sticky (mode 1777), owned by this user or root, never a symbolic link. The run's own
+    directory is mode 0700, owned by this user and not a symbolic link, else a ValueError
+    naming it: nobody else can then create or replace a file inside it (the shard's temporary
+    file included)."""
+    mine = Path(path)
+    shared = mine.parent
+    uid = os.getuid()
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(shared, 0o777)
+        os.chmod(shared, 0o1777)  # the umask took bits away: set them as meant
+    except FileExistsError:
+        pass
+    _check_dir(shared, lambda st: st.st_uid in (uid, 0) and (not st.st_mode & 0o002 or st.st_mode & stat.S_ISVTX),
+               "owned by this user or root, and sticky where others may write to it")
+    try:
+        os.mkdir(mine, 0o700)
+    except FileExistsError:
+        pass
+    _check_dir(mine, lambda st: st.st_uid == uid and not st.st_mode & 0o022,
+               f"owned by this user (uid {uid}) and writable by no one else")
+    return mine
+
+
+def _check_dir(path: Path, ok, what: str) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}), not a directory: hvctr does not "
+                         f"write working shards through it; remove it, or set storage.shard_dir")
+    if not stat.S_ISDIR(st.st_mode) or not ok(st):
+        raise ValueError(f"{path} is not a safe scratch directory (uid {st.st_uid}, mode {stat.filemode(st.st_mode)}): "
+                         f"it must be a directory {what}; remove it, or set storage.shard_dir")
 
 
 # --- identity ----------------------------------------------------------------------------

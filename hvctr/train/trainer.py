@@ -41,7 +41,7 @@ from hvctr.train.lr import LearningRates, batch_growth
 from hvctr.train.merger import KStepMerger, SyncGradients
 from hvctr.train.meter import Meter
 from hvctr.train.prefetch import Schedule, WindowSource
-from hvctr.train.rundir import working_shard_dir, working_shard_place  # noqa: F401 (working_shard_dir: callers)
+from hvctr.train.rundir import private_scratch_dir, working_shard_dir, working_shard_place  # noqa: F401
 from hvctr.train.stop import StopRequest
 from hvctr.train.window import Window
 
@@ -94,7 +94,10 @@ class Trainer:
         # Always a fresh working shard: on resume it is rebuilt from the checkpoint's chain.
         def create() -> EmbeddingStore:
             try:
-                self.shard_dir.mkdir(parents=True, exist_ok=True)
+                if self.shard_scratch:  # a shared, often world-writable place: a directory of this user alone
+                    private_scratch_dir(self.shard_dir)
+                else:
+                    self.shard_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 where = ("the hardware map's ssd path" if self.shard_dir_source == "the hardware map's SSD"
                          else self.shard_dir_source)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import socket
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from hvctr.train.checkpoint import write_manifest
 from hvctr.plan.model import shard_bytes
 from hvctr.train.preflight import (check_directories, check_identity, check_inputs, check_memory,
                                    first_checkpoint_bytes)
-from hvctr.train.rundir import (IDENTITY_NAME, LOCK_NAME, RunLock, compare_identity, run_identity,
+from hvctr.train.rundir import (IDENTITY_NAME, LOCK_NAME, RunLock, compare_identity, private_scratch_dir, run_identity,
                                 write_identity)
 from tests.conftest import REPO, VENV_PY, mpi_env
 
@@ -294,3 +295,42 @@ def test_hvctr_train_with_a_cache_beyond_the_machine_stops_before_horovod(datase
     assert r.stderr.startswith("hvctr train: error: config key 'storage.cpu_cache_bytes': 1,000,000,000,000,000 "
                                "bytes per rank x 1 rank(s) on this node"), r.stderr
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+# --- scratch directories under a world-writable place ---------------------------------------
+
+
+def test_scratch_shard_directories_are_this_users_alone(tmp_path):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    os.chmod(scratch, 0o1777)  # as /tmp
+    mine = private_scratch_dir(scratch / "hvctr-shards" / "run-abc")
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700 and mine.stat().st_uid == os.getuid()
+    assert stat.S_IMODE((scratch / "hvctr-shards").stat().st_mode) == 0o1777
+    assert private_scratch_dir(mine) == mine  # a requeued start finds it again
+
+
+@pytest.mark.parametrize("planted", ["symlink", "other_users_dir", "open_dir", "open_shared_dir"])
+def test_a_planted_scratch_directory_is_refused(tmp_path, planted):
+    shared = tmp_path / "tmp" / "hvctr-shards"
+    shared.mkdir(parents=True)
+    os.chmod(shared, 0o1777)
+    target = shared / "run-abc"
+    if planted == "symlink":
+        (tmp_path / "elsewhere").mkdir()
+        target.symlink_to(tmp_path / "elsewhere")
+        want = rf"{target} is a symbolic link \(to {tmp_path / 'elsewhere'}\), not a directory"
+    elif planted == "open_shared_dir":
+        os.chmod(shared, 0o777)  # writable by all, not sticky: anyone could replace the run's directory
+        want = rf"{shared} is not a safe scratch directory \(uid \d+, mode drwxrwxrwx\)"
+    else:
+        target.mkdir(0o777)
+        os.chmod(target, 0o777)
+        if planted == "other_users_dir":
+            if os.getuid() != 0:
+                pytest.skip("chown to another user needs root")
+            os.chown(target, 65534, 65534)
+        want = rf"{target} is not a safe scratch directory \(uid \d+, mode drwxrwxrwx\): it must be a directory owned"
+    with pytest.raises(ValueError, match=want):
+        private_scratch_dir(target)
+    assert not (tmp_path / "elsewhere").exists() or list((tmp_path / "elsewhere").iterdir()) == []
