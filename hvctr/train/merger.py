@@ -35,7 +35,9 @@ class _DenseReducer:
         self.comm = comm
         self.cfg = cfg
         self.params = list(params)
-        self.hierarchical = hierarchical
+        # Hierarchical only where it differs from one flat allreduce: one node, or one rank per
+        # node, would make it the flat allreduce under another name (the summary says which ran).
+        self.hierarchical = hierarchical and 1 < comm.num_nodes < comm.size
         self.bytes_sent = 0  # payload bytes this rank contributed to dense reductions
         self.calls = 0
 

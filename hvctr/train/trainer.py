@@ -113,9 +113,14 @@ class Trainer:
     def _build_reducer(self) -> KStepMerger | SyncGradients:
         params = list(self.model.parameters())
         hier = self.cfg.topology.hierarchical_allreduce
-        if self.cfg.merge.mode is MergeMode.SYNC:
-            return SyncGradients(self.comm, self.cfg.merge, params, hier)
-        return KStepMerger(self.comm, self.cfg.merge, params, hier)
+        kind = SyncGradients if self.cfg.merge.mode is MergeMode.SYNC else KStepMerger
+        reducer = kind(self.comm, self.cfg.merge, params, hier)
+        nodes = f"{self.comm.num_nodes} node(s) {self.comm.node_ranks}"
+        if reducer.hierarchical:
+            log.info(f"dense merge: hierarchical over {nodes}: inside each node, then node leaders only")
+        elif hier:
+            log.info(f"dense merge: flat (topology.hierarchical_allreduce asked for, but {nodes}: no hierarchy)")
+        return reducer
 
     def _schedule(self) -> Schedule:
         k = 1 if self.cfg.merge.mode is MergeMode.SYNC else self.cfg.merge.every_k_steps
@@ -417,6 +422,8 @@ class Trainer:
             "prefetch_read_s": round(prefetch_read_s, 3),
             "validation_s": round(self.meter.excluded_s, 3),  # metrics.eval_every_windows' passes, not in seconds
             "dense_merge_bytes": self.reducer.bytes_sent, "dense_merge_calls": self.reducer.calls,
+            "dense_merge": "hierarchical" if self.reducer.hierarchical else "flat",
+            "nodes": self.comm.node_ranks,  # ranks of each node (host, or topology.ranks_per_virtual_node)
             "dense_bytes_per_sample": self.reducer.bytes_sent * self.comm.size / samples,
             "sparse_exchange_bytes": int(sparse_bytes),
             "sparse_bytes_per_sample": sparse_bytes * self.comm.size / samples,
