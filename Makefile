@@ -35,7 +35,8 @@ test-mpi:
 test-e2e:
 	$(PYTEST) tests/e2e
 
-# The main job on built-in synthetic data: generate, preprocess, train 2 ranks (k = 4), evaluate.
+# The main job on built-in synthetic data: generate, preprocess, train 2 ranks (k = 4), evaluate,
+# then the run's picture, $(DEMO_DIR)/run/report.png.
 demo: setup
 	@rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)/raw
 	$(PY) -m data_prep synth --rows 600000 --seed 7 --out $(DEMO_DIR)/raw/synth.tsv --truth-out $(DEMO_DIR)/raw/truth.txt
@@ -43,6 +44,7 @@ demo: setup
 	$(MPIRUN) -np 2 $(PY) -m mpi4py -m hvctr train --config slurm/configs/demo.toml \
 	    --data.train_dir=$(DEMO_DIR)/data --train.run_dir=$(DEMO_DIR)/run
 	$(MPIRUN) -np 2 $(PY) -m mpi4py -m hvctr eval --run-dir $(DEMO_DIR)/run
+	$(PY) -m hvctr report --run-dir $(DEMO_DIR)/run
 
 # docs/configuration.md from the comments in hvctr/config.py (a unit test checks it is current).
 docs:

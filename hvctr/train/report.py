@@ -62,6 +62,7 @@ def plot(run_dir: Path, out: Path, progress: list[dict], evals: list[dict], summ
 
     matplotlib.use("Agg")  # files only: no display on a login or compute node
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter
 
     per_step = _samples_per_step(run_dir, summary)
 
@@ -78,6 +79,7 @@ def plot(run_dir: Path, out: Path, progress: list[dict], evals: list[dict], summ
     def panel(a, title: str, ylabel: str, empty: str = "") -> None:
         a.set_title(title)
         a.set_xlabel("samples trained")
+        a.xaxis.set_major_formatter(EngFormatter(sep=""))  # 150k, 1.5M: labels that do not collide
         a.set_ylabel(ylabel)
         a.grid(alpha=0.3)
         if empty:
