@@ -4,7 +4,7 @@ Owns:
 - ``reader``: one complete checkpoint read without ranks: its manifests, the checksums of the
   files of its chain, and each rank's final rows (base plus deltas, the newest value of a key).
 - ``export`` (``hvctr export``): the serving model without optimiser state: per-rank HDF5
-  tables key -> (w, w1) with sorted keys, the dense parameters as named tensors, the model's
+  tables key -> (w, w1) with sorted keys (float32, or compressed: ``--rows fp16 | int8``), the dense parameters as named tensors, the model's
   config and a manifest with checksums.
 - ``score`` (``hvctr score``): a reference scorer that predicts from an export alone and
   gives the trainer's predictions, bit for bit.

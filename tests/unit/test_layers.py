@@ -67,6 +67,7 @@ def test_the_checker_sees_function_level_and_from_imports(tmp_path, monkeypatch)
     ["config"],
     ["topo", "--plan", "--map", "slurm/hwmaps/vm-2cpu.toml", "--local-size", "2"],
     ["plan", "--map", "slurm/hwmaps/vm-2cpu.toml", "--keys", "1000000"],
+    ["sweep", "--help"],
     ["--help"],
 ])
 def test_light_commands_never_load_torch(argv):
