@@ -48,12 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _need_optuna() -> None:
     try:
-        import optuna  # noqa: F401
+        import optuna
     except ImportError:
         raise ValueError(f"hvctr sweep needs Optuna, an optional extra: pip install 'hvctr[sweep]' "
                          f"(or pip install '{OPTUNA_PIN}' matplotlib) into this environment") from None
-    import optuna
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 

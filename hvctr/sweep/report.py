@@ -154,9 +154,9 @@ def run_best(args: argparse.Namespace) -> int:
     steps = best.user_attrs.get("steps", "?")
     header = (f"# hvctr sweep best: trial {best.number} of {sd.path.resolve()}, validation AUC {best.value:.4f} "
               f"after {steps} steps\n#   ({best.user_attrs.get('run_dir', '')})\n"
-              f"# parameters: " + ", ".join(f"{k} = {v}" for k, v in best.params.items()) + "\n"
-              f"# the full training stage: train.max_steps = 0 (all the data, all epochs); set train.run_dir\n"
-              f"#   sbatch slurm/train.sbatch with CONFIG=<this file>\n")
+              "# parameters: " + ", ".join(f"{k} = {v}" for k, v in best.params.items()) + "\n"
+              "# the full training stage: train.max_steps = 0 (all epochs); point data.train_dir at the full data:\n"
+              f"#   HVCTR_CONFIG={args.out} HVCTR_DATA=/path/to/full/shards sbatch slurm/train.sbatch\n")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

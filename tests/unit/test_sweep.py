@@ -9,7 +9,6 @@ tested in seconds. Real training under Slurm: tests/e2e/test_slurm.py::test_swee
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
