@@ -196,6 +196,9 @@ class MetricsConfig:
     # validation (AUC, logloss, NE, COPC: read-only, as hvctr eval) every this many windows,
     # into metrics.jsonl and the log; 0: only at the end. Each pass reads the whole validation split
     eval_every_windows: int = 0
+    # also write the progress and validation scalars as TensorBoard event files in
+    # <run_dir>/tensorboard (rank 0; x axis: samples trained). Needs the tensorboard extra
+    tensorboard: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,28 @@ from hvctr.dist.log import get_logger
 log = get_logger(__name__)
 
 PHASES = ("compute", "pull", "merge", "io")
+# metrics.tensorboard: what goes to TensorBoard from each kind of metrics.jsonl record
+TB_SCALARS = {"progress": ("loss", "samples_per_s", "cache_hit_rate", "merge_ms"),
+              "eval": ("auc", "logloss", "ne", "copc", "calibration")}
+
+
+def open_tensorboard(directory: Path):
+    """A TensorBoard SummaryWriter on ``directory`` (metrics.tensorboard = true). TensorBoard is
+    an optional extra: without it this is a ValueError saying how to install it."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("config key 'metrics.tensorboard': true, but the tensorboard package is not installed: "
+                         "pip install 'hvctr[tensorboard]' (or set it to false; metrics.jsonl and hvctr report "
+                         "need nothing more)")
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(directory))
 
 
 class Meter:
     def __init__(self, rank: int, metrics_path: Path | None, log_every_steps: int,
-                 batch_size_per_rank: int, world_size: int) -> None:
+                 batch_size_per_rank: int, world_size: int, tensorboard_dir: Path | None = None) -> None:
         self.rank = rank
         self.seconds = {p: 0.0 for p in PHASES}
         self.log_every_steps = log_every_steps
@@ -46,6 +63,7 @@ class Meter:
         self.excluded_s = 0.0  # validation passes during training: not in elapsed()
         self._loss_sum = 0.0
         self._loss_n = 0
+        self._tb = open_tensorboard(tensorboard_dir) if tensorboard_dir is not None and rank == 0 else None
 
     def start(self, step: int) -> None:
         """Training starts (or resumes) at ``step``: rates and the ETA count from here."""
@@ -71,7 +89,13 @@ class Meter:
         self._loss_n += 1
 
     def record(self, event: dict[str, Any]) -> None:
-        """One JSON line in metrics.jsonl (rank 0)."""
+        """One JSON line in metrics.jsonl (rank 0), and its scalars in TensorBoard's event file."""
+        if self._tb is not None and event.get("event") in TB_SCALARS:
+            at = int(event.get("samples", event.get("step", 0)))  # TensorBoard's x axis: samples trained
+            for key in TB_SCALARS[event["event"]]:
+                if isinstance(event.get(key), (int, float)):
+                    self._tb.add_scalar(f"{'train' if event['event'] == 'progress' else 'valid'}/{key}", event[key], at)
+            self._tb.flush()
         if self._file is not None:
             event = {"time": round(time.time(), 3), **event}
             try:
@@ -117,6 +141,9 @@ class Meter:
         return time.perf_counter() - self._t_start - self.excluded_s
 
     def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._file is not None:
             file, self._file = self._file, None
             try:

@@ -79,7 +79,8 @@ class Trainer:
         self.state = TrainState()
         self.lineage: dict[str, Any] | None = None  # the checkpoint this model was initialised from
         self.meter = Meter(comm.rank, run_dir / "metrics.jsonl", cfg.metrics.log_every_steps,
-                           cfg.data.batch_size_per_rank, comm.size)
+                           cfg.data.batch_size_per_rank, comm.size,
+                           tensorboard_dir=run_dir / "tensorboard" if cfg.metrics.tensorboard else None)
         self.stop = stop or StopRequest()  # carried by the next merge as [stop, checkpoint] flags
         self._ws_rows = 0  # rows of the last window's working set
         self._merge_ms = 0.0  # dense merge + sparse push of the last window

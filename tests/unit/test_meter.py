@@ -33,3 +33,21 @@ def test_progress_and_eval_records(tmp_path, caplog):
     assert progress["event"] == "progress" and progress["step"] == 12 and progress["eta_s"] >= 0
     assert ev == {**ev, "event": "eval", "split": "valid", "step": 12, "samples": 96, "final": False, "ne": 0.9}
     assert "eta " in caplog.text and "NE 0.9000" in caplog.text
+
+
+def test_tensorboard_is_an_optional_extra(tmp_path):
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(ValueError, match=r"metrics.tensorboard.*pip install 'hvctr\[tensorboard\]'"):
+            Meter(0, tmp_path / "m.jsonl", 1, 4, 2, tensorboard_dir=tmp_path / "tb")
+        Meter(1, None, 1, 4, 2, tensorboard_dir=tmp_path / "tb").close()  # other ranks never open it
+        return
+    m = Meter(0, tmp_path / "m.jsonl", 1, 4, 2, tensorboard_dir=tmp_path / "tb")
+    m.add_loss(0.5)
+    m.maybe_log(1, 2, {"cache_hit_rate": 0.5})
+    m.log_eval(1, 8, {"auc": 0.7, "logloss": 0.45, "ne": 0.9, "copc": 1.1}, 0.1)
+    m.close()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
