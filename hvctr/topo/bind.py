@@ -373,6 +373,18 @@ def _slurm_tasks_here(env: Mapping[str, str]) -> int:
     return 0
 
 
+def launcher_local_size(env: Mapping[str, str]) -> tuple[int, str]:
+    """(ranks the launcher started on this node, the variable that says so), or (0, "") where
+    none does: OMPI_COMM_WORLD_LOCAL_SIZE (mpirun), MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE, then
+    this node's entry of SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE (srun sets no
+    OMPI_COMM_WORLD_* variable). Readable before MPI starts, unlike the host-name grouping."""
+    for var in _LOCAL_SIZE_VARS:
+        if env.get(var, "").strip().isdigit() and int(env[var]) > 0:
+            return int(env[var]), var
+    here = _slurm_tasks_here(env)
+    return (here, "SLURM_STEP_TASKS_PER_NODE") if here else (0, "")
+
+
 def default_threads(allowed: int, env: Mapping[str, str], local_size: int) -> tuple[int, str]:
     """(torch threads, where the number came from) for a rank that no hardware map binds.
 
@@ -383,13 +395,7 @@ def default_threads(allowed: int, env: Mapping[str, str], local_size: int) -> tu
     no larger than SLURM_CPUS_PER_TASK is the rank's own (srun bound it) and is not divided.
     At least 1.
     """
-    local, source = 0, ""
-    for var in _LOCAL_SIZE_VARS:
-        if env.get(var, "").strip().isdigit() and int(env[var]) > 0:
-            local, source = int(env[var]), var
-            break
-    if not local and _slurm_tasks_here(env):
-        local, source = _slurm_tasks_here(env), "SLURM_STEP_TASKS_PER_NODE"
+    local, source = launcher_local_size(env)
     if not local:
         local, source = max(1, local_size), "ranks on this host"
     per_task = int(env["SLURM_CPUS_PER_TASK"]) if env.get("SLURM_CPUS_PER_TASK", "").isdigit() else 0

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from hvctr.config import Config, load_config
 from hvctr.dist.world import check_collectively, world_rank, world_size
+from hvctr.topo.bind import launcher_local_size
 from hvctr.train.rundir import IDENTITY_NAME, RunLock, check_resume_identity, read_identity, run_identity
 
 SHARD_HEADROOM = 1.25  # sized shards hold the estimate's fullest rank x this (sketch error, bucket skew)
@@ -193,7 +194,7 @@ def check_directories(cfg: Config, rank: int, size: int, run_dir: Path, env=None
     ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     shard_dir, source, _ = working_shard_place(cfg, run_dir, env=env)
     shard_key = "config key 'storage.shard_dir'" + ("" if cfg.storage.shard_dir else f" (empty: working shards in {source})")
-    local_ranks = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or env.get("MPI_LOCALNRANKS") or 1)
+    local_ranks = launcher_local_size(env)[0] or 1
     shard = local_ranks * shard_bytes(cfg.storage.rows_per_rank, cfg.storage.dim, cfg.storage.max_load_factor)["total"]
     places = [(shard_dir, shard_key, shard, shard,
                f"{local_ranks} working shard(s) of {cfg.storage.rows_per_rank:,} rows (storage.rows_per_rank)")]
@@ -351,7 +352,7 @@ def check_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: 
     """ValueError naming storage.cpu_cache_bytes when the CPU caches of the node's ranks
     (each allocates its budget at start) exceed the memory available to them."""
     env = os.environ if env is None else env
-    local_ranks = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE") or env.get("MPI_LOCALNRANKS") or 1)
+    local_ranks = launcher_local_size(env)[0] or 1
     need = local_ranks * cfg.storage.cpu_cache_bytes
     avail, source = available_memory(meminfo, cgroup)
     if avail >= 0 and need > avail:

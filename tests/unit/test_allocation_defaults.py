@@ -16,9 +16,9 @@ from data_prep.mpi import Comm
 from data_prep.synth import generate
 from hvctr.config import load_config
 from hvctr.formats import NUM_BUCKETS
-from hvctr.topo.bind import default_threads
+from hvctr.topo.bind import default_threads, launcher_local_size
 from hvctr.train.data import STAMP_NAME, ShardReader, read_stamp, write_stamp
-from hvctr.train.preflight import SHARD_HEADROOM, size_shard
+from hvctr.train.preflight import SHARD_HEADROOM, check_memory, size_shard
 from hvctr.train.trainer import working_shard_place
 
 
@@ -34,6 +34,28 @@ from hvctr.train.trainer import working_shard_place
 def test_threads_are_the_ranks_share_of_its_cpus(allowed, env, host, want):
     n, why = default_threads(allowed, env, host)
     assert n == want and f"{allowed} cpus" in why
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "SLURM_NTASKS_PER_NODE": "8"}, (2, "OMPI_COMM_WORLD_LOCAL_SIZE")),  # mpirun wins
+    ({"SLURM_STEP_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "1"}, (8, "SLURM_STEP_TASKS_PER_NODE")),  # srun
+    ({"SLURM_TASKS_PER_NODE": "3,2", "SLURM_NODEID": "1"}, (2, "SLURM_STEP_TASKS_PER_NODE")),
+    ({}, (0, "")),  # no launcher says: the caller decides (host names, or 1)
+])
+def test_ranks_on_this_node_from_the_launcher(env, want):
+    assert launcher_local_size(env) == want
+
+
+def test_memory_check_counts_the_nodes_ranks_under_srun(tmp_path):
+    """srun --mpi=pmix sets no OMPI_COMM_WORLD_LOCAL_SIZE: the node's ranks come from Slurm's
+    tasks per node, not 1 (4 caches of 1.5 GB on a 4 GiB node do not fit, one does)."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8000000 kB\nMemAvailable:   4194304 kB\n")
+    cfg = load_config(overrides=["--storage.cpu_cache_bytes=1500000000"])
+    check_memory(cfg, env={}, meminfo=str(meminfo), cgroup="")
+    with pytest.raises(ValueError, match=r"x 4 rank\(s\) on this node"):
+        check_memory(cfg, env={"SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1"}, meminfo=str(meminfo),
+                     cgroup="")
 
 
 def test_working_shards_prefer_node_local_scratch(tmp_path):
