@@ -28,7 +28,7 @@ die() { log "error: $*"; exit 1; }
 command -v "$PY" >/dev/null 2>&1 || die "no Python '$PY' (pass the venv's python as the first argument)"
 command -v mpicc >/dev/null 2>&1 || die "mpicc not found on PATH: load your site's MPI module (module load openmpi) or install OpenMPI >= 4 with its compiler wrappers"
 mpi_id=$(mpicc -show 2>/dev/null) || die "mpicc -show failed: $(command -v mpicc) is not a working MPI compiler wrapper"
-mpi_tag=$(printf '%s' "$mpi_id" | sha256sum | cut -c1-12)
+mpi_tag=$("$PY" -c 'import hashlib, sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:12])' "$mpi_id")
 py_tag=$("$PY" -c 'import sys; print("%d%d" % sys.version_info[:2])')
 WHEEL_DIR="$CACHE/wheels/mpi4py-$MPI4PY_VERSION-py$py_tag-mpi$mpi_tag"
 
