@@ -14,6 +14,8 @@ DEMO_DIR ?= runs/demo
 
 .PHONY: setup test test-unit test-mpi test-e2e demo docs clean
 
+# Root on Debian: apt packages first; otherwise (no root, no apt) the site's MPI from `mpicc` on
+# PATH, no apt, no sudo, no Slurm of its own. HVCTR_SETUP=debian|site forces one (docs/install.md).
 setup:
 	@bash .ci/setup.sh
 
