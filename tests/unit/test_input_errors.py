@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import subprocess
-from pathlib import Path
 
 import pytest
 

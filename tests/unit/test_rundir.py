@@ -17,7 +17,6 @@ import signal
 import stat
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -238,7 +237,7 @@ def test_too_little_space_for_the_shard_and_first_checkpoint_is_named(datasets, 
     msg = str(e.value)
     assert msg.startswith(f"not enough free space on the file system of {small}: 4.0 MiB free, "), msg
     assert "the first checkpoint (2 rank file(s)): " in msg
-    assert f"2 working shard(s) of 200,000 rows (storage.rows_per_rank)" in msg and f"in {small}/run/shards" in msg
+    assert "2 working shard(s) of 200,000 rows (storage.rows_per_rank)" in msg and f"in {small}/run/shards" in msg
     assert [p for p in small.rglob("*") if p.is_file()] == []  # the write probes leave nothing
 
 
