@@ -138,6 +138,16 @@ exec $enter env -i {login_env} TMPDIR="$tmp" /bin/sh -c "$*"
                 "--mca", "btl_tcp_if_include", SUBNET,
                 "--mca", "oob_tcp_if_include", SUBNET]
 
+    def tx_bytes(self) -> list[int]:
+        """Bytes each node has sent over its end of the veth pair so far."""
+        out = []
+        for i in range(2):
+            r = subprocess.run(["ip", "netns", "exec", self.netns[i], "cat",
+                                f"/sys/class/net/{self.veth[i]}/statistics/tx_bytes"],
+                               capture_output=True, text=True, timeout=30, check=True)
+            out.append(int(r.stdout))
+        return out
+
     def pids(self) -> list[int]:
         """Every process inside either node's network namespace."""
         inodes = {_ns_inode(f"/run/netns/{n}") for n in self.netns if os.path.exists(f"/run/netns/{n}")}

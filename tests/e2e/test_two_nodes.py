@@ -15,7 +15,8 @@ What it shows:
 - the ranks group into nodes by host name alone (no topology.ranks_per_virtual_node): ranks
   0, 1 on hvctr-node0, 2, 3 on hvctr-node1, local ranks 0, 1 on each;
 - the dense merge runs hierarchically across the two (topology.hierarchical_allreduce = true:
-  inside each node, then node leaders 0 and 2 over the veth pair);
+  inside each node, then node leaders 0 and 2 over the veth pair), and each node sends more
+  over the veth pair than one rank's dense merges (its byte counters, read around the job);
 - the trained model (every dense tensor with Adam's state, every sparse row of the final
   checkpoint) is bit-equal to the same job on one node with the same grouping in virtual nodes
   (topology.ranks_per_virtual_node = 2): the summation order is the same, (r0 + r1) + (r2 + r3),
@@ -39,6 +40,7 @@ import json
 import signal
 import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -52,6 +54,11 @@ FLAGS = ("--merge.every_k_steps=4", "--train.max_steps=16", "--topology.hierarch
          "--train.threads=1")
 JOB_TIMEOUT_S = 240
 DENSE_ATOL, SPARSE_ATOL = 1e-6, 1e-4  # flat against hierarchical: see the module docstring
+
+
+class TwoNodeRun(NamedTuple):
+    dir: Path  # the run directory
+    veth_tx_bytes: list[int]  # what each node sent over the veth pair during the job
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +80,12 @@ def dataset(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_node_run(nodes, dataset, tmp_path_factory) -> Path:
+def two_node_run(nodes, dataset, tmp_path_factory) -> TwoNodeRun:
     run = tmp_path_factory.mktemp("run") / "two-nodes"
     cmd = train_cmd(4, run, dataset, *FLAGS)
     assert cmd[:3] == ["mpirun", "-np", "4"]
     log = run.parent / "two-nodes.log"
+    sent_before = nodes.tx_bytes()
     with open(log, "w") as out:
         p = subprocess.Popen(nodes.mpirun_prefix(ranks_per_node=2) + cmd[1:], env=job_env(), stdout=out,
                              stderr=subprocess.STDOUT, start_new_session=True)
@@ -91,7 +99,7 @@ def two_node_run(nodes, dataset, tmp_path_factory) -> Path:
     if rc != 0:
         raise AssertionError(f"the two-node job {'timed out' if rc is None else f'failed ({rc})'}:\n"
                              f"{log.read_text()[-6000:]}")
-    return run
+    return TwoNodeRun(run, [b - a for a, b in zip(sent_before, nodes.tx_bytes())])
 
 
 @pytest.fixture(scope="module")
@@ -105,25 +113,29 @@ def one_node_runs(dataset, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_ranks_find_their_node_from_the_host_name(two_node_run):
-    binding = json.loads((two_node_run / "binding.json").read_text())
+    binding = json.loads((two_node_run.dir / "binding.json").read_text())
     assert [b["host"] for b in binding] == [HOSTS[0], HOSTS[0], HOSTS[1], HOSTS[1]]
     assert [b["local_rank"] for b in binding] == [0, 1, 0, 1]
-    summary = json.loads((two_node_run / "summary.json").read_text())
+    summary = json.loads((two_node_run.dir / "summary.json").read_text())
     assert summary["nodes"] == [[0, 1], [2, 3]]
 
 
 def test_hierarchical_merge_runs_across_the_nodes(two_node_run):
-    summary = json.loads((two_node_run / "summary.json").read_text())
+    summary = json.loads((two_node_run.dir / "summary.json").read_text())
     assert summary["dense_merge"] == "hierarchical" and summary["dense_merge_calls"] >= 4
-    rank0 = (two_node_run / "logs" / "rank-00000.log").read_text()
+    rank0 = (two_node_run.dir / "logs" / "rank-00000.log").read_text()
     assert "4 ranks on 2 node(s)" in rank0
     assert "dense merge: hierarchical over 2 node(s) [[0, 1], [2, 3]]" in rank0
+    # Both nodes sent over the veth pair: more than the dense merges alone (the sparse rows
+    # cross too), so the job's traffic between nodes went there.
+    sent = two_node_run.veth_tx_bytes
+    assert min(sent) > summary["dense_merge_bytes"], (sent, summary["dense_merge_bytes"])
 
 
 def test_working_shards_on_each_nodes_scratch(nodes, two_node_run):
-    rank0 = (two_node_run / "logs" / "rank-00000.log").read_text()
+    rank0 = (two_node_run.dir / "logs" / "rank-00000.log").read_text()
     assert f"working shards: {nodes.scratch[0]}/hvctr-shards/" in rank0 and "node-local scratch" in rank0
-    assert not (two_node_run / "shards").exists()
+    assert not (two_node_run.dir / "shards").exists()
     for scratch in nodes.scratch:  # scratch leaves with the job, on both nodes
         assert not any((scratch / "hvctr-shards").glob("*/*.h5")), sorted(scratch.rglob("*"))
 
@@ -131,12 +143,12 @@ def test_working_shards_on_each_nodes_scratch(nodes, two_node_run):
 def test_model_equals_one_node_bit_for_bit(two_node_run, one_node_runs):
     summary = json.loads((one_node_runs["virtual"] / "summary.json").read_text())
     assert summary["dense_merge"] == "hierarchical" and summary["nodes"] == [[0, 1], [2, 3]]
-    assert_same_model(two_node_run, one_node_runs["virtual"])
+    assert_same_model(two_node_run.dir, one_node_runs["virtual"])
 
 
 def test_model_close_to_one_node_flat(two_node_run, one_node_runs):
     assert json.loads((one_node_runs["flat"] / "summary.json").read_text())["dense_merge"] == "flat"
-    da, sa = final_model(two_node_run)
+    da, sa = final_model(two_node_run.dir)
     db, sb = final_model(one_node_runs["flat"])
     assert da.keys() == db.keys() and sa.keys() == sb.keys()
     for k in da:
