@@ -33,7 +33,8 @@ test-mpi:
 	$(MPIRUN) -np 3 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi
 	$(MPIRUN) -np 4 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi/test_hierarchical.py
 
-# Whole jobs, including the sbatch scripts on a real Slurm cluster started on this machine (root).
+# Whole jobs, including the sbatch scripts on a real Slurm cluster started on this machine (root)
+# and a 4-rank job on 2 nodes made of network and UTS namespaces (root; tests/e2e/test_two_nodes.py).
 test-e2e:
 	$(PYTEST) tests/e2e
 
