@@ -26,6 +26,9 @@ APT_PACKAGES="openmpi-bin libopenmpi-dev libpmix-dev hwloc numactl hdf5-tools sl
 
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+# Any other failing step (pip, apt, a build) says where it stopped; its own output is above.
+on_error() { printf '[setup] error: .ci/setup.sh stopped at line %s (exit %s): %s; its output is above\n' "$2" "$1" "$3" >&2; }
+trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
 
 # --- which setting -------------------------------------------------------------------------
 MODE=${HVCTR_SETUP:-}
