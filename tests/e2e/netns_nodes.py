@@ -109,20 +109,18 @@ class TwoNodes:
         return ["nsenter", f"--net=/run/netns/{self.netns[i]}", f"--uts={self.uts[i]}", "--"]
 
     def _write_agent(self) -> None:
-        cases = "\n".join(
-            f"  {HOSTS[i]}) enter={shlex.quote(shlex.join(self._enter(i)))}; tmp={shlex.quote(str(self.scratch[i]))} ;;"
-            for i in range(2))
-        login_env = f"PATH={shlex.quote(os.environ.get('PATH', '/usr/bin:/bin'))} HOME={shlex.quote(os.environ.get('HOME', '/root'))}"
+        login = [f"PATH={os.environ.get('PATH', '/usr/bin:/bin')}", f"HOME={os.environ.get('HOME', '/root')}"]
+        cases = "".join(
+            f"  {HOSTS[i]}) exec {shlex.join([*self._enter(i), 'env', '-i', *login, f'TMPDIR={self.scratch[i]}'])}"
+            f' /bin/sh -c "$*" ;;\n' for i in range(2))
         self.agent.write_text(f"""#!/bin/sh
 # rsh agent for mpirun (--mca plm_rsh_agent): "agent HOST COMMAND..." runs COMMAND in HOST's
 # network and UTS namespaces, with a fresh login's environment (as ssh would) and the node's
 # own TMPDIR. Written by tests/e2e/netns_nodes.py.
 host=$1; shift
 case "$host" in
-{cases}
-  *) echo "$0: unknown host $host" >&2; exit 255 ;;
+{cases}  *) echo "$0: unknown host $host" >&2; exit 255 ;;
 esac
-exec $enter env -i {login_env} TMPDIR="$tmp" /bin/sh -c "$*"
 """)
         self.agent.chmod(0o755)
 
