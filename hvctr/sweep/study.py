@@ -118,6 +118,8 @@ class StudyDir:
     def create_or_check(self, settings: dict[str, Any]) -> dict[str, Any]:
         """The study's settings: ``settings`` for a new study; for an existing one, its own,
         which must equal ``settings`` (workers of one study share them) unless that is empty."""
+        if not settings and not (self.path / SETTINGS).is_file():
+            raise ValueError(f"{self.path} holds no study yet: the first worker needs --space")
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "trials").mkdir(exist_ok=True)
         with lock_held(self.lock):
