@@ -52,15 +52,17 @@ def trial_rows(study: optuna.Study, keys: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4f}" if 1e-3 <= abs(v) < 1e4 else f"{v:.3g}"
-    return str(v)
+def _cell(column: str, v: Any) -> str:
+    if not isinstance(v, float):
+        return str(v)
+    if column in ("auc", "logloss"):
+        return f"{v:.4f}"
+    return f"{v:.0f}" if column == "wall_s" else f"{v:.3g}"
 
 
 def markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(r[c]) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(_cell(c, r[c]) for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
