@@ -105,7 +105,9 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip wheel setuptools
+  # A venv left without the new pip and setuptools would be taken as made by the next run.
+  "$VENV/bin/pip" install -q --upgrade pip wheel setuptools \
+    || { rm -rf "$VENV"; die "could not install pip, wheel and setuptools into the new $VENV from PyPI (output above); removed it"; }
 fi
 VPY="$VENV/bin/python"
 have() { "$VPY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('$1').startswith('$2') else 1)" 2>/dev/null; }
