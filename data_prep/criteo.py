@@ -34,8 +34,9 @@ import data_prep
 from hvctr import formats
 from data_prep.mpi import Comm, get_comm
 from hvctr.formats.lines import parse_block
-from data_prep.pieces import (PieceBuilder, ShardWriter, piece_path,
-                              piece_shard_counts)
+from data_prep.pieces import (FILE_OVERHEAD, ROW_BYTES, PieceBuilder, ShardWriter, piece_path,
+                              piece_shard_counts, write_error)
+from hvctr.storage.shard import check_free_space
 from hvctr.formats import NUM_DENSE, NUM_FIELDS, SPLITS, KeySketch
 from hvctr.formats.sources import (Source, Unit, assign_units, count_lines, iter_blocks, line_start_at,
                                make_units, nth_newline, open_sources)
@@ -256,10 +257,17 @@ def _file_line(src: Source, unit: Unit, line_in_unit: int) -> int:
 def assemble_shards(job: Job, asm: Assembly, batch: list[int], tick: Callable[[int, int], None]) -> list[dict]:
     """Writes the train and valid files of the shards in ``batch``; returns their records."""
     S = job.shards
-    writers = {(split, s): ShardWriter(os.path.join(job.out, formats.shard_name(split, s)),
-                                       asm.rows[split][s], split, s, S)
-               for s in batch for split in SPLITS}
+    writers: dict[tuple[str, int], ShardWriter] = {}
     try:
+        try:  # the space first: HDF5 cannot always close a file whose write failed for lack of it
+            check_free_space(job.out, sum(asm.rows[split][s] * ROW_BYTES + FILE_OVERHEAD
+                                          for s in batch for split in SPLITS))
+        except OSError as e:
+            raise write_error(os.path.join(job.out, formats.shard_name(SPLITS[0], batch[0])), e) from None
+        for s in batch:
+            for split in SPLITS:
+                writers[split, s] = ShardWriter(os.path.join(job.out, formats.shard_name(split, s)),
+                                                asm.rows[split][s], split, s, S)
         for path, offset, lines, bad in asm.pieces:
             train, valid = piece_shard_counts(offset, lines, bad, S, asm.cutoff)
             if not any(train[s] + valid[s] for s in batch):
@@ -282,6 +290,11 @@ def assemble_shards(job: Job, asm: Assembly, batch: list[int], tick: Callable[[i
                     n += t + v
             tick(0, n)
         return [writers[split, s].close() for s in batch for split in SPLITS]
+    except OSError as e:  # a full disk under a shard: one message naming it, its .tmp removed
+        for w in writers.values():
+            if w.file.id.valid:
+                w.abandon()
+        raise write_error(e.filename or os.path.join(job.out, "*.h5"), e) from None
     except BaseException:
         for w in writers.values():
             if w.file.id.valid:

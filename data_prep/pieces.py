@@ -24,6 +24,7 @@ import numpy as np
 from hvctr import formats
 from hvctr.formats.lines import Block
 from hvctr.formats import NUM_DENSE, NUM_FIELDS, KeySketch
+from hvctr.storage.shard import check_free_space
 
 
 WRITE_ROWS = 1 << 15  # rows a shard writer gathers before one write to its file
@@ -57,15 +58,32 @@ class PieceBuilder:
         goff = np.zeros(self.shards + 1, dtype=np.int64)
         np.cumsum(np.bincount(group, minlength=self.shards), out=goff[1:])
         tmp = path + ".tmp"
-        with h5py.File(tmp, "w", libver=formats.HDF5_LIBVER) as f:
-            f.create_dataset("labels", data=labels[order], track_times=False)
-            f.create_dataset("dense", data=dense[order], track_times=False)
-            f.create_dataset("keys", data=keys[order], track_times=False)
-            f.attrs["goff"] = goff
-        os.replace(tmp, path)
+        try:  # the space first: HDF5 cannot always close a file whose write failed for lack of it
+            check_free_space(os.path.dirname(path) or ".", labels.nbytes + dense.nbytes + keys.nbytes + FILE_OVERHEAD)
+            with h5py.File(tmp, "w", libver=formats.HDF5_LIBVER) as f:
+                f.create_dataset("labels", data=labels[order], track_times=False)
+                f.create_dataset("dense", data=dense[order], track_times=False)
+                f.create_dataset("keys", data=keys[order], track_times=False)
+                f.attrs["goff"] = goff
+            os.replace(tmp, path)
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise write_error(path, e) from None
         missing = np.sum([b.missing for b in self.parts], axis=0) if self.parts else np.zeros(NUM_DENSE + NUM_FIELDS)
         return {"lines": self.lines, "rows": int(labels.size), "positives": int(labels.sum()),
                 "missing": [int(x) for x in missing], "bad": [[int(i), why] for i, why in self.bad]}
+
+
+FILE_OVERHEAD = 1 << 20  # HDF5 headers and alignment, generously
+ROW_BYTES = 4 + 4 * NUM_DENSE + 8 * NUM_FIELDS  # label, dense, keys: one row of a piece or a shard
+
+
+def write_error(path: str, e: OSError) -> ValueError:
+    """A write that failed (a full disk) as one message naming the file; nothing of it is left."""
+    return ValueError(f"cannot write {path}: {e.strerror or e}; nothing of it was kept: free space in "
+                      f"{os.path.dirname(os.path.dirname(path)) if '_work' in path else os.path.dirname(path)} "
+                      f"and run the same data_prep command again (it continues where it stopped)")
 
 
 def _cat(arrays: list[np.ndarray], dtype, empty_shape) -> np.ndarray:
