@@ -1,12 +1,23 @@
-"""The two reference points hvctr's throughput is reported against, on the same data and model.
+"""The reference points hvctr's throughput is reported against, on the same data and model.
 
 - ``plain``: plain single-process PyTorch, everything in RAM: the keys of the training set
   mapped once, up front, to rows of ONE ``nn.Embedding`` (sparse gradients, SparseAdam), the
   same DNN as hvctr (hvctr.models) with Adam, ``--threads`` torch threads (2 by default). It
   reports training samples/s and validation AUC, logloss and COPC (hvctr.train.metrics).
+- ``torchrec``: the library an hvctr user would pick instead: TorchRec's
+  FusedEmbeddingBagCollection (fbgemm's CPU kernels, the optimiser fused into the backward)
+  over the same one table, the same DNN with Adam, ``--threads`` threads. fbgemm has no CPU
+  Adam: the table trains with fused rowwise Adagrad (``--torchrec-optimizer``). Optional: the
+  ``bench`` extra installs it (setup.cfg); where it is absent the run is skipped with a line
+  saying so (``{"system": "torchrec", "skipped": why}``).
 - ``ceiling``: the MLP alone on random inputs (forward, backward, Adam), run as
   ``--ceiling-procs`` processes of 1 thread at once (what 2 ranks could reach on this machine
   if embeddings, data and merges cost nothing), and as one process of ``--threads`` threads.
+- ``floor``: the same, but the MLP also computes the gradient of its embedding input, as every
+  embedding model must (the first layer's input-gradient GEMM: about a third more work), and
+  takes it in blocks as hvctr's DNN does (hvctr.models.linear_over_blocks): the compute an
+  hvctr step cannot avoid. hvctr against the floor says how much of its time is its own
+  overhead; against the ceiling, what the embeddings cost in all.
 
 Every result is one JSON line, so a benchmark driver can put them beside hvctr's figures:
 
@@ -112,21 +123,130 @@ def run_plain(train: Split, valid: Split, *, dim: int = 16, hidden: Sequence[int
     }
 
 
+TORCHREC_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")  # what fbgemm fuses on the CPU (no Adam there)
+
+
+def torchrec_missing() -> str | None:
+    """Why the TorchRec peer cannot run here, or None where it can."""
+    try:
+        import fbgemm_gpu  # noqa: F401
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection  # noqa: F401
+    except Exception as e:  # ImportError, or fbgemm's OSError for a torch it was not built for
+        return (f"torchrec / fbgemm-gpu-cpu not importable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                "install the bench extra (setup.cfg: pip install --no-deps torchrec fbgemm-gpu-cpu and their deps)")
+    return None
+
+
+def _torchrec_optimizer(name: str):
+    import torchrec.optim as trec_optim
+    return {"rowwise_adagrad": trec_optim.RowWiseAdagrad, "adagrad": torch.optim.Adagrad,
+            "sgd": torch.optim.SGD}[name]
+
+
+def run_torchrec(train: Split, valid: Split, *, dim: int = 16, hidden: Sequence[int] = (512, 256),
+                 batch_size: int = 4096, epochs: int = 1, lr: float = 1e-3, sparse_lr: float = 0.05,
+                 optimizer: str = "rowwise_adagrad", max_steps: int = 0, init_scale: float = 0.01,
+                 seed: int = 1234) -> dict:
+    """TorchRec on ``train``, evaluated on ``valid``: the table a FusedEmbeddingBagCollection
+    (one table, its 26 features sharing it as hvctr's fields share one key space; one key per
+    bag, so sum pooling is the row itself), its optimiser fused into the backward; the dense
+    DNN with Adam. The keys are mapped to rows once, up front, as ``run_plain`` does."""
+    import torchrec
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    if optimizer not in TORCHREC_OPTIMIZERS:
+        raise ValueError(f"--torchrec-optimizer {optimizer!r}: valid: {', '.join(TORCHREC_OPTIMIZERS)}")
+    t0 = time.perf_counter()
+    table_rows, train_idx, (valid_idx,) = map_keys(train.keys, valid.keys)
+    prep_s = time.perf_counter() - t0
+    num_fields = train.keys.shape[1]
+    fields = [f"f{i}" for i in range(num_fields)]
+    torch.manual_seed(seed)
+    ebc = FusedEmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="table", embedding_dim=dim, num_embeddings=table_rows, feature_names=fields,
+                                   weight_init_min=-init_scale, weight_init_max=init_scale)],
+        optimizer_type=_torchrec_optimizer(optimizer), optimizer_kwargs={"lr": sparse_lr}, device=torch.device("cpu"))
+    model = DNN(num_fields=num_fields, dim=dim, num_dense=NUM_DENSE, hidden=hidden)
+    opt_dense = torch.optim.Adam(model.parameters(), lr=lr)
+
+    def lookup(idx: np.ndarray) -> torch.Tensor:
+        """[B, F] rows -> [B, F, D]: a KeyedJaggedTensor is feature-major, one value per bag."""
+        b = idx.shape[0]
+        kjt = KeyedJaggedTensor(keys=fields, values=torch.from_numpy(np.ascontiguousarray(idx.T)).reshape(-1),
+                                lengths=torch.ones(num_fields * b, dtype=torch.int64),
+                                offsets=torch.arange(num_fields * b + 1, dtype=torch.int64))
+        return ebc(kjt).values().view(b, num_fields, dim)
+
+    no_w1 = torch.zeros(batch_size, num_fields)
+    steps, t0 = 0, time.perf_counter()
+    for _ in range(epochs):
+        for s in _batches(len(train.labels), batch_size, drop_last=True):
+            logits = model(torch.from_numpy(train.dense[s]), lookup(train_idx[s]), no_w1)
+            loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(train.labels[s]))
+            opt_dense.zero_grad()
+            loss.backward()  # the table's rows are updated here, by the fused optimiser
+            opt_dense.step()
+            steps += 1
+            if steps == max_steps:
+                break
+        if steps == max_steps:
+            break
+    train_s = time.perf_counter() - t0
+
+    acc = EvalAccumulator()
+    with torch.no_grad():
+        for s in _batches(len(valid.labels), batch_size, drop_last=False):
+            w1 = torch.zeros(s.stop - s.start, num_fields)
+            logits = model(torch.from_numpy(valid.dense[s]), lookup(valid_idx[s]), w1)
+            acc.add_logits(logits, torch.from_numpy(valid.labels[s]))
+    import fbgemm_gpu
+    return {
+        "system": "torchrec", "threads": torch.get_num_threads(), "batch_size": batch_size, "dim": dim,
+        "hidden": list(hidden), "table_rows": table_rows, "steps": steps, "train_samples": steps * batch_size,
+        "train_s": train_s, "samples_per_s": steps * batch_size / train_s if train_s > 0 else float("nan"),
+        "key_mapping_s": prep_s, "last_loss": loss.item() if steps else float("nan"),
+        "sparse_optimizer": f"fused {optimizer}", "sparse_lr": sparse_lr, "dense_optimizer": "Adam", "dense_lr": lr,
+        "versions": {"torchrec": getattr(torchrec, "__version__", _dist_version("torchrec")),
+                     "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"), "torch": torch.__version__},
+        **{f"valid_{k}": v for k, v in acc.result().items()},
+    }
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "?"
+
+
 def mlp_steps(in_features: int, hidden: Sequence[int], batch_size: int, steps: int, warmup: int = 3,
-              before_timing: Callable[[], None] | None = None, seed: int = 0) -> dict:
+              before_timing: Callable[[], None] | None = None, seed: int = 0, input_grad: bool = False) -> dict:
     """The ceiling's work in this process: ``steps`` timed MLP steps on random inputs.
 
-    ``before_timing`` runs after the warm-up: the ceiling's workers wait there for the word go.
+    ``input_grad``: the floor's work instead: the input in blocks as hvctr's DNN takes it
+    ([embeddings | dense], linear_over_blocks), the gradient of the embedding block computed.
+    ``before_timing`` runs after the warm-up: the workers wait there for the word go.
     """
     torch.manual_seed(seed)
     mlp = MLP(in_features, hidden)
     opt = torch.optim.Adam(mlp.parameters(), lr=1e-3)
     x = torch.randn(batch_size, in_features)
     y = (torch.rand(batch_size) < 0.25).float()
+    emb = x[:, : in_features - NUM_DENSE].clone().requires_grad_()
+    dense = x[:, in_features - NUM_DENSE:].clone()
+
+    def forward() -> torch.Tensor:
+        if input_grad:
+            emb.grad = None
+            return mlp.forward_blocks([emb, dense])
+        return mlp(x)
 
     def step() -> None:
         opt.zero_grad()
-        F.binary_cross_entropy_with_logits(mlp(x).squeeze(1), y).backward()
+        F.binary_cross_entropy_with_logits(forward().squeeze(1), y).backward()
         opt.step()
 
     for _ in range(warmup):
@@ -146,14 +266,16 @@ def _worker_wait() -> None:
         raise RuntimeError("ceiling worker: the parent went away before saying go")
 
 
-def run_ceiling(procs: int, *, in_features: int, hidden: Sequence[int], batch_size: int, steps: int) -> dict:
+def run_ceiling(procs: int, *, in_features: int, hidden: Sequence[int], batch_size: int, steps: int,
+                input_grad: bool = False) -> dict:
     """``procs`` processes of 1 thread run the MLP at once; samples/s over their common span.
 
     Each worker imports torch and warms up, says ready, and starts timing when all are ready.
+    ``input_grad``: the floor (mlp_steps) instead of the ceiling.
     """
     cmd = [sys.executable, "-m", "bench.baseline", "--ceiling-worker", f"--in-features={in_features}",
            f"--hidden={','.join(map(str, hidden))}", f"--batch-size={batch_size}", f"--ceiling-steps={steps}",
-           "--threads=1"]
+           "--threads=1", *(["--input-grad"] if input_grad else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     workers = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env) for _ in range(procs)]
@@ -177,7 +299,7 @@ def run_ceiling(procs: int, *, in_features: int, hidden: Sequence[int], batch_si
                 w.wait()
     span = max(o["t1"] for o in outs) - min(o["t0"] for o in outs)
     return {
-        "system": "mlp_ceiling", "processes": procs, "threads_per_process": 1, "batch_size": batch_size,
+        "system": "mlp_floor" if input_grad else "mlp_ceiling", "processes": procs, "threads_per_process": 1, "batch_size": batch_size,
         "in_features": in_features, "hidden": list(hidden), "steps_per_process": steps,
         # every process's samples over the span from the first start to the last end: a lower bound
         "samples_per_s": sum(o["samples"] for o in outs) / span,
@@ -186,9 +308,10 @@ def run_ceiling(procs: int, *, in_features: int, hidden: Sequence[int], batch_si
     }
 
 
-def run_ceiling_one_process(*, in_features: int, hidden: Sequence[int], batch_size: int, steps: int) -> dict:
-    r = mlp_steps(in_features, hidden, batch_size, steps)
-    return {"system": "mlp_ceiling", "processes": 1, "threads_per_process": r["threads"], "batch_size": batch_size,
+def run_ceiling_one_process(*, in_features: int, hidden: Sequence[int], batch_size: int, steps: int,
+                            input_grad: bool = False) -> dict:
+    r = mlp_steps(in_features, hidden, batch_size, steps, input_grad=input_grad)
+    return {"system": "mlp_floor" if input_grad else "mlp_ceiling", "processes": 1, "threads_per_process": r["threads"], "batch_size": batch_size,
             "in_features": in_features, "hidden": list(hidden), "steps_per_process": steps,
             "samples_per_s": r["samples"] / (r["t1"] - r["t0"])}
 
@@ -201,6 +324,8 @@ def load_split(data_dir: str, split: str) -> Split:
 
 # Command line ------------------------------------------------------------------------------
 
+RUNS = ("plain", "torchrec", "ceiling", "ceiling1", "floor", "floor1")
+
 
 def _hidden(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
@@ -210,41 +335,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="data_prep output directory (train split, and valid unless --valid-data)")
     p.add_argument("--valid-data", help="directory of the validation split; default: --data")
     p.add_argument("--runs", default="plain,ceiling",
-                   help="comma list of: plain, ceiling, ceiling1 (default %(default)s)")
+                   help=f"comma list of: {', '.join(RUNS)} (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--hidden", type=_hidden, default=(512, 256), help="MLP hidden layers, e.g. 512,256")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the single-process runs")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--torchrec-optimizer", default="rowwise_adagrad", choices=TORCHREC_OPTIMIZERS,
+                   help="the table's fused optimiser in the torchrec run (fbgemm has no CPU Adam)")
+    p.add_argument("--torchrec-lr", type=float, default=0.05, help="its learning rate")
     p.add_argument("--max-steps", type=int, default=0, help="stop plain training after this many steps; 0: epochs")
     p.add_argument("--ceiling-procs", type=int, default=2)
     p.add_argument("--ceiling-steps", type=int, default=30)
     p.add_argument("--in-features", type=int, default=0, help="MLP input width; 0: 26 * dim + 13")
     p.add_argument("--out", help="also write the JSON lines to this file")
     p.add_argument("--ceiling-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--input-grad", action="store_true", help=argparse.SUPPRESS)  # a floor worker
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    unknown = sorted(set(runs) - {"plain", "ceiling", "ceiling1"})
+    unknown = sorted(set(runs) - set(RUNS))
     if unknown:
-        raise ValueError(f"--runs: unknown {unknown}; valid: plain, ceiling, ceiling1")
+        raise ValueError(f"--runs: unknown {unknown}; valid: {', '.join(RUNS)}")
+    if {"plain", "torchrec"} & set(runs) and not args.data:
+        raise ValueError("--runs plain and torchrec need --data DIR (a data_prep output directory)")
     in_features = args.in_features or 26 * args.dim + NUM_DENSE
     mlp = dict(in_features=in_features, hidden=args.hidden, batch_size=args.batch_size, steps=args.ceiling_steps)
     results = []
+    splits: tuple[Split, Split] | None = None
     for name in runs:
-        if name == "plain":
-            if not args.data:
-                raise ValueError("--runs plain needs --data DIR (a data_prep output directory)")
-            train = load_split(args.data, "train")
-            valid = load_split(args.valid_data or args.data, "valid")
-            results.append(run_plain(train, valid, dim=args.dim, hidden=args.hidden, batch_size=args.batch_size,
-                                     epochs=args.epochs, lr=args.lr, max_steps=args.max_steps))
-        elif name == "ceiling":
-            results.append(run_ceiling(args.ceiling_procs, **mlp))
+        if name in ("plain", "torchrec"):
+            missing = torchrec_missing() if name == "torchrec" else None
+            if missing:
+                print(f"bench.baseline: torchrec skipped: {missing}", file=sys.stderr, flush=True)
+                results.append({"system": "torchrec", "skipped": missing})
+                continue
+            if splits is None:
+                splits = load_split(args.data, "train"), load_split(args.valid_data or args.data, "valid")
+            common = dict(dim=args.dim, hidden=args.hidden, batch_size=args.batch_size, epochs=args.epochs,
+                          lr=args.lr, max_steps=args.max_steps)
+            results.append(run_plain(*splits, **common) if name == "plain" else
+                           run_torchrec(*splits, **common, sparse_lr=args.torchrec_lr,
+                                        optimizer=args.torchrec_optimizer))
+        elif name in ("ceiling", "floor"):
+            results.append(run_ceiling(args.ceiling_procs, **mlp, input_grad=name == "floor"))
         else:
-            results.append(run_ceiling_one_process(**mlp))
+            results.append(run_ceiling_one_process(**mlp, input_grad=name == "floor1"))
     return results
 
 
@@ -257,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.ceiling_worker:
             r = mlp_steps(args.in_features, args.hidden, args.batch_size, args.ceiling_steps,
-                          before_timing=_worker_wait)
+                          before_timing=_worker_wait, input_grad=args.input_grad)
             print(json.dumps(r), flush=True)
             return 0
         try:

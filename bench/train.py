@@ -5,8 +5,12 @@
 On one synthetic data set (data_prep synth: Bayes-optimal AUC known) and one model (DNN,
 26 fields x 16 dims, MLP 512-256-1, batch 4096 per rank, one epoch, 2 ranks):
 1. interleaved rounds of: hvctr sync, hvctr k = 8, the plain PyTorch baseline (one process,
-   2 threads, nn.Embedding + SparseAdam), the MLP-only ceiling (2 processes of 1 thread);
-   speeds are medians over rounds, so a noisy neighbour hits every system alike;
+   2 threads, nn.Embedding + SparseAdam), TorchRec (one process, 2 threads,
+   FusedEmbeddingBagCollection with fused rowwise Adagrad: fbgemm has no CPU Adam; skipped
+   with a line saying so where the bench extra is not installed), the MLP-only ceiling and
+   the MLP-with-input-gradient floor (2 processes of 1 thread each, bench.baseline); speeds
+   are medians over rounds, so a noisy neighbour hits every system alike; the machine's load
+   average is recorded before each run;
 2. the k sweep (k = 1, 4, 16 beside the rounds' 8) and the merge.states variants at k = 8;
 3. fp16 compression at k = 8; the CPU cache at 10% of the table at k = 8 (out of core).
 """
@@ -39,9 +43,10 @@ DEFAULT_STATES = MergeConfig().states.value  # what runs without a --merge.state
 OTHER_STATES = tuple(s.value for s in MergeStates if s.value != DEFAULT_STATES)
 
 
-def _run(cmd: list[str], log: Path, timeout: int = 3600) -> None:
+def _run(cmd: list[str], log: Path, timeout: int = 3600, cwd: Path | None = None) -> None:
     with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **MPI_ENV}, timeout=timeout)
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **MPI_ENV}, timeout=timeout,
+                           cwd=cwd)
     if r.returncode != 0:
         raise RuntimeError(f"benchmark command failed ({r.returncode}), see {log}: {' '.join(cmd)}")
 
@@ -61,16 +66,19 @@ def make_data(work: Path, rows: int) -> tuple[Path, float]:
     return data, bayes
 
 
-def hvctr_run(work: Path, data: Path, name: str, flags: list[str]) -> dict[str, Any]:
-    """One 2-rank training run; a run whose summary exists is not repeated (resumable bench)."""
+def hvctr_run(work: Path, data: Path, name: str, flags: list[str], src: Path | None = None) -> dict[str, Any]:
+    """One 2-rank training run; a run whose summary exists is not repeated (resumable bench).
+    ``src``: run the hvctr of that source tree (a checkout of an earlier commit, its kernels
+    built) instead of this one's."""
     run_dir = work / "runs" / name
     if not (run_dir / "summary.json").exists():
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
-        cmd = ["mpirun", "-np", "2", "--bind-to", "none", PY, "-m", "mpi4py", "-m", "hvctr", "train",
+        cmd = ["mpirun", "-np", "2", "--bind-to", "none", *(["-x", f"PYTHONPATH={src}"] if src else []),
+               PY, "-m", "mpi4py", "-m", "hvctr", "train",
                f"--data.train_dir={data}", f"--train.run_dir={run_dir}", "--metrics.log_every_steps=1000",
                "--storage.rows_per_rank=4000000", "--storage.max_working_set_rows=2000000", *flags]
-        _run(cmd, work / f"{name}.log")
+        _run(cmd, work / f"{name}.log", cwd=src)
         for big in ("shards", "checkpoints"):  # about 2 GB a run: keep the summary and the logs
             shutil.rmtree(run_dir / big, ignore_errors=True)
     s = json.loads((run_dir / "summary.json").read_text())
@@ -87,6 +95,9 @@ def _calibration(ev: dict[str, Any]) -> float:
     return ev["calibration"] if "calibration" in ev else ev["copc"]
 
 
+REFERENCES = {"plain": "pytorch_plain", "torchrec": "torchrec", "ceiling": "mlp_ceiling", "floor": "mlp_floor"}
+
+
 def reference_run(work: Path, data: Path, which: str, tag: str) -> dict[str, Any]:
     out = work / f"{which}.{tag}.jsonl"
     if not out.exists():
@@ -95,8 +106,19 @@ def reference_run(work: Path, data: Path, which: str, tag: str) -> dict[str, Any
              work / f"{which}.{tag}.log")
         tmp.replace(out)
     r = json.loads(out.read_text().splitlines()[-1])
-    return {"system": "pytorch_plain" if which == "plain" else "mlp_ceiling",
-            "samples_per_s": r["samples_per_s"], "auc": r.get("valid_auc"), "logloss": r.get("valid_logloss")}
+    if "skipped" in r:
+        print(f"{REFERENCES[which]}: skipped: {r['skipped']}", flush=True)
+        return {"system": REFERENCES[which], "skipped": r["skipped"], "samples_per_s": None, "auc": None}
+    return {"system": REFERENCES[which], "samples_per_s": r["samples_per_s"], "auc": r.get("valid_auc"),
+            "logloss": r.get("valid_logloss"),
+            **{k: r[k] for k in ("sparse_optimizer", "sparse_lr", "threads", "versions") if k in r}}
+
+
+def _with_load(run) -> dict[str, Any]:
+    """run() with the machine's 1-minute load average just before it (2 cpus: above 2, other
+    jobs shared them)."""
+    load = os.getloadavg()[0]
+    return {**run(), "load_before": round(load, 2)}
 
 
 def measure(work: Path, rows: int, repeats: int) -> dict[str, Any]:
@@ -105,9 +127,10 @@ def measure(work: Path, rows: int, repeats: int) -> dict[str, Any]:
     for i in range(repeats):
         print(f"round {i + 1}/{repeats}", flush=True)
         tag = f"r{i + 1}"
-        rounds.append([hvctr_run(work, data, f"hvctr_sync.{tag}", ["--merge.mode=sync"]),
-                       hvctr_run(work, data, f"hvctr_k8.{tag}", ["--merge.every_k_steps=8"]),
-                       reference_run(work, data, "plain", tag), reference_run(work, data, "ceiling", tag)])
+        runs = [lambda: hvctr_run(work, data, f"hvctr_sync.{tag}", ["--merge.mode=sync"]),
+                lambda: hvctr_run(work, data, f"hvctr_k8.{tag}", ["--merge.every_k_steps=8"]),
+                *[lambda w=w: reference_run(work, data, w, tag) for w in REFERENCES]]
+        rounds.append([_with_load(run) for run in runs])
     k8 = rounds[-1][1]
     table_bytes = 2 * k8["shard_rows_rank0"] * ROW_BYTES
     sweep = [hvctr_run(work, data, f"hvctr_k{k}", [f"--merge.every_k_steps={k}"]) for k in (1, 4, 16)]
@@ -120,8 +143,96 @@ def measure(work: Path, rows: int, repeats: int) -> dict[str, Any]:
             "table_bytes": table_bytes}
 
 
-def _median(rounds: list[list[dict[str, Any]]], i: int, key: str) -> float:
-    return statistics.median(r[i][key] for r in rounds)
+PEERS_HEADING = "## Training against TorchRec"
+
+
+def measure_peers(work: Path, rows: int, repeats: int, before: Path | None) -> dict[str, Any]:
+    """Interleaved rounds of hvctr k = 8 (all cached, and the cache at 10% of the table), the
+    same at an earlier commit (``before``, where given), TorchRec, plain PyTorch, the floor
+    and the ceiling: the figures of issue 19, without the sweep."""
+    data, bayes = make_data(work, rows)
+    rounds: list[list[dict[str, Any]]] = []
+    table_bytes = 0
+    for i in range(repeats):
+        print(f"round {i + 1}/{repeats}", flush=True)
+        tag = f"r{i + 1}"
+        k8 = _with_load(lambda: hvctr_run(work, data, f"hvctr_k8.{tag}", ["--merge.every_k_steps=8"]))
+        table_bytes = table_bytes or 2 * k8["shard_rows_rank0"] * ROW_BYTES
+        runs = [lambda: k8,
+                lambda: hvctr_run(work, data, f"hvctr_k8_cache10.{tag}", [
+                    "--merge.every_k_steps=8", f"--storage.cpu_cache_bytes={int(0.1 * table_bytes / 2)}"]),
+                *([lambda: hvctr_run(work, data, f"hvctr_k8_before.{tag}", ["--merge.every_k_steps=8"], src=before)]
+                  if before else []),
+                *[lambda w=w: reference_run(work, data, w, tag) for w in REFERENCES]]
+        rounds.append([k8, *(_with_load(run) for run in runs[1:])])
+        (work / "results.json").write_text(json.dumps({"rows": rows, "bayes_auc": bayes, "rounds": rounds,
+                                                       "table_bytes": table_bytes}, indent=1))
+    return {"rows": rows, "bayes_auc": bayes, "rounds": rounds, "table_bytes": table_bytes}
+
+
+def render_peers(res: dict[str, Any], command: str, machine: str) -> str:
+    R = res["rounds"]
+    names = [r["system"] for r in R[0]]
+    sps = {n: _median(R, i, "samples_per_s") for i, n in enumerate(names)}
+    auc = {n: R[-1][i]["auc"] for i, n in enumerate(names)}
+    by = {r["system"]: r for r in R[-1]}
+    trec = by.get("torchrec", {"skipped": "not run"})
+    lines = [PEERS_HEADING, "", f"Command: `{command}`  ", f"Machine: {machine}  ",
+             f"Data: {res['rows']:,} synthetic rows (data_prep synth --seed 11, 8 shards, 9.09% held out), "
+             f"Bayes-optimal AUC {res['bayes_auc']:.4f}. Model: DNN, 26 fields x 16 dims, MLP 512-256-1, batch 4096 "
+             f"per rank (hvctr: 2 ranks of 1 thread), one epoch. Speeds: medians of {len(R)} interleaved rounds.", ""]
+    if "skipped" in trec:
+        lines += [f"TorchRec: skipped ({trec['skipped']}).", ""]
+    else:
+        v = trec.get("versions", {})
+        lines += [f"TorchRec {v.get('torchrec', '?')} (fbgemm-gpu-cpu {v.get('fbgemm_gpu', '?')}, torch {v.get('torch', '?')}): "
+                  "FusedEmbeddingBagCollection, one table for the 26 fields (one key space, as hvctr's), "
+                  f"{trec.get('sparse_optimizer', '?')} at lr {trec.get('sparse_lr', '?')} on the table (fbgemm has no "
+                  f"CPU Adam), Adam on the DNN, one process of {trec.get('threads', '?')} threads; keys mapped to rows up "
+                  "front (not timed), as the plain baseline.", ""]
+    lines += ["| system | samples/s (median) | per round | vs TorchRec | vs floor | vs ceiling | AUC | AUC vs TorchRec |",
+              "|---|---|---|---|---|---|---|---|"]
+    for i, n in enumerate(names):
+        per = ", ".join(f"{r[i]['samples_per_s']:,.0f}" for r in R if r[i].get("samples_per_s"))
+        a = auc[n]
+        lines.append(f"| {n} | " + (f"{sps[n]:,.0f}" if sps[n] else "skipped") + f" | {per} | "
+                     f"{_ratio(sps[n], sps.get('torchrec'))} | {_ratio(sps[n], sps.get('mlp_floor'))} | "
+                     f"{_ratio(sps[n], sps.get('mlp_ceiling'))} | " + (f"{a:.4f}" if a is not None else "-") + " | "
+                     + (f"{a - auc['torchrec']:+.4f}" if a is not None and auc.get("torchrec") is not None else "-") + " |")
+    if sps.get("torchrec") and sps.get("hvctr_k8"):
+        lines += ["", f"hvctr k = 8 at {sps['hvctr_k8'] / sps['torchrec']:.2f}x TorchRec's samples/s (target 1.0x), AUC "
+                  f"{auc['hvctr_k8'] - auc['torchrec']:+.4f} against it (target no lower than -0.001); "
+                  f"{sps['hvctr_k8'] / sps['mlp_floor']:.2f}x the MLP-with-input-gradient floor (target 0.85x)."]
+    loads = "; ".join(f"round {j + 1}: " + ", ".join(f"{r.get('load_before', float('nan')):.1f}" for r in rnd)
+                      for j, rnd in enumerate(R))
+    lines += ["", "hvctr: samples/s over each rank's run (data, pulls, merges and the final checkpoint included); "
+              "torchrec, pytorch_plain: the training loop of one process of 2 threads; mlp_ceiling: the MLP alone, "
+              "2 processes of 1 thread; mlp_floor: the same computing the gradient of its embedding input (what "
+              "every embedding model computes): hvctr's compute floor.", "",
+              f"Load average (1 min) before each run, in the table's order (2 cpus: above 2, other jobs shared "
+              f"them): {loads}."]
+    if "hvctr_k8_cache10" in sps and sps["hvctr_k8"]:
+        ooc = by["hvctr_k8_cache10"]
+        lines += ["", f"Out of core: the CPU cache at 10% of the table ({res['table_bytes'] / 2**20:.0f} MiB in all) runs at "
+                  f"{sps['hvctr_k8_cache10'] / sps['hvctr_k8']:.2f}x the all-cached k = 8 (medians; target 0.85x), hit "
+                  f"rate {ooc['cache_hit_rate']:.3f}, AUC {ooc['auc']:.4f}."]
+    lines += ["", "Time split (seconds per rank, rank 0, last round):", "",
+              "| run | compute | pull | merge | io | total |", "|---|---|---|---|---|---|"]
+    for n in names:
+        if "time_split_s" in by.get(n, {}):
+            t = by[n]["time_split_s"]
+            lines.append(f"| {n} | " + " | ".join(f"{t.get(k, 0):.1f}" for k in ("compute", "pull", "merge", "io"))
+                         + f" | {sum(t.values()):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _median(rounds: list[list[dict[str, Any]]], i: int, key: str) -> float | None:
+    values = [r[i][key] for r in rounds if r[i].get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
 
 
 def render(res: dict[str, Any], command: str, machine: str) -> str:
@@ -130,24 +241,49 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
     sps = {n: _median(R, i, "samples_per_s") for i, n in enumerate(names)}
     auc = {n: R[-1][i]["auc"] for i, n in enumerate(names)}
     sync, k8 = R[-1][0], R[-1][1]
+    trec = next((r for r in R[-1] if r["system"] == "torchrec"), {"skipped": "not run"})
+    loads = "; ".join(f"round {j + 1}: " + ", ".join(f"{r['load_before']:.1f}" for r in rnd) for j, rnd in enumerate(R)
+                      if all("load_before" in r for r in rnd))
     lines = ["## Training", "",
              f"Command: `{command}`  ", f"Machine: {machine}  ",
              f"Data: {res['rows']:,} synthetic rows (data_prep synth, 9.09% held out), Bayes-optimal AUC "
              f"{res['bayes_auc']:.4f}. Model: DNN, 26 fields x 16 dims, MLP 512-256-1, batch 4096 per rank, "
              f"one epoch. Speeds: medians of {len(R)} interleaved rounds. No GPU on this machine: the CUDA path "
-             "is untested on hardware.", "",
-             "| system | samples/s (median) | vs PyTorch plain | vs ceiling | AUC | AUC vs Bayes |",
-             "|---|---|---|---|---|---|"]
+             "is untested on hardware.", ""]
+    if "skipped" in trec:
+        lines += [f"TorchRec: skipped ({trec['skipped']}).", ""]
+    else:
+        v = trec.get("versions", {})
+        lines += [f"TorchRec {v.get('torchrec', '?')} (fbgemm-gpu-cpu {v.get('fbgemm_gpu', '?')}, torch "
+                  f"{v.get('torch', '?')}): FusedEmbeddingBagCollection, one table for the 26 fields (one key space, "
+                  f"as hvctr's), {trec.get('sparse_optimizer', '?')} at lr {trec.get('sparse_lr', '?')} on the table "
+                  "(fbgemm has no CPU Adam), Adam on the DNN, one process of "
+                  f"{trec.get('threads', '?')} threads, keys mapped to rows up front (not timed), as the plain baseline.",
+                  ""]
+    lines += ["| system | samples/s (median) | vs TorchRec | vs PyTorch plain | vs floor | vs ceiling | AUC | AUC vs Bayes |",
+              "|---|---|---|---|---|---|---|---|"]
     for n in names:
         a = auc[n]
-        lines.append(f"| {n} | {sps[n]:,.0f} | {sps[n] / sps['pytorch_plain']:.2f}x | {sps[n] / sps['mlp_ceiling']:.2f}x | "
+        lines.append(f"| {n} | " + (f"{sps[n]:,.0f}" if sps[n] else "skipped") + f" | {_ratio(sps[n], sps.get('torchrec'))} | "
+                     f"{_ratio(sps[n], sps['pytorch_plain'])} | {_ratio(sps[n], sps.get('mlp_floor'))} | "
+                     f"{_ratio(sps[n], sps['mlp_ceiling'])} | "
                      + (f"{a:.4f} | {a - res['bayes_auc']:+.4f} |" if a is not None else "- | - |"))
+    lines += ["", "hvctr: 2 ranks of 1 torch thread (mpirun -np 2); samples/s over each rank's run (data, pulls, "
+              "merges and the final checkpoint included). pytorch_plain, torchrec: one process of 2 threads, the "
+              "training loop. mlp_ceiling: the MLP alone, 2 processes of 1 thread; mlp_floor: the same with the "
+              "gradient of the embedding input (what every embedding model computes), hvctr's compute floor."]
+    if loads:
+        lines += ["", f"Load average (1 min) before each run, in the table's order: {loads}."]
     if res["rows"] < 1_000_000:  # --quick
         steps = int(res["rows"] * (1 - 0.0909)) // (2 * 4096)
         lines += ["", f"A quick run: {res['rows']:,} rows give each of the 2 ranks about {steps} steps of 4096 "
                   "(the plain baseline takes twice as many, of the same size, in one process), too few for "
                   "the models to converge alike: its AUC figures are not comparable, and the targets below "
                   "are for the full run (2.2M rows)."]
+    if sps.get("torchrec"):
+        lines += ["", f"Against TorchRec: k = 8 at {sps['hvctr_k8'] / sps['torchrec']:.2f}x its samples/s (target 1.0x), "
+                  f"AUC {auc['hvctr_k8'] - auc['torchrec']:+.4f} (target no lower than -0.001); "
+                  f"{sps['hvctr_k8'] / sps['mlp_floor']:.2f}x the MLP-with-input-gradient floor (target 0.85x)."]
     lines += ["", f"Targets: k = 8 at {sps['hvctr_k8'] / sps['pytorch_plain']:.2f}x the plain PyTorch baseline (target "
               f"1.0x) and {sps['hvctr_k8'] / sps['mlp_ceiling']:.2f}x the MLP-only ceiling (target 0.65x), AUC "
               f"{auc['hvctr_k8'] - auc['pytorch_plain']:+.4f} against the baseline (target no lower than -0.003); "
@@ -194,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", help="scratch directory (kept; data is reused when present)")
     p.add_argument("--benchmarks", default="", help="markdown file to write the Training section into (default: none)")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--peers", action="store_true",
+                   help=f"only the rounds against TorchRec, the floor and the ceiling, k = 8 all cached and out of core "
+                        f"(the section {PEERS_HEADING!r}); no sync, no sweep")
+    p.add_argument("--before", help="with --peers: also run hvctr k = 8 from this source tree (an earlier commit, "
+                                    "its kernels built), as hvctr_k8_before")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.repeats = 300_000, 1
@@ -202,6 +343,14 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hvctr-train-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    if args.peers:
+        res = measure_peers(work, args.rows, args.repeats, Path(args.before).resolve() if args.before else None)
+        text = (render_peers(res, command, machine) + f"\nWall time of the benchmark: {(time.time() - t0) / 60:.1f} min, "
+                f"load average {os.getloadavg()[0]:.1f} at the end.\n")
+        print(text)
+        if args.benchmarks and not args.no_write:
+            write_section(args.benchmarks, PEERS_HEADING, text)
+        return 0
     res = measure(work, args.rows, args.repeats)
     (work / "results.json").write_text(json.dumps(res, indent=1))
     text = render(res, command, machine) + f"\nWall time of the benchmark: {(time.time() - t0) / 60:.1f} min.\n"

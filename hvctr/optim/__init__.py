@@ -11,8 +11,9 @@
 """
 
 from hvctr.optim.dense import get_adam_states, set_adam_states, adam_step_count
-from hvctr.optim.sparse_adam import (apply_adam_to_rows, batch_unique, gather_rows, row_width, dim_of_width,
-                                     sparse_adam_step, sum_rows_grad)
+from hvctr.optim.sparse_adam import (apply_adam_to_rows, batch_unique, gather_embeddings, gather_rows, row_width,
+                                     dim_of_width, sparse_adam_step, sum_embedding_grads, sum_rows_grad)
 
-__all__ = ["adam_step_count", "apply_adam_to_rows", "batch_unique", "dim_of_width",
-           "gather_rows", "get_adam_states", "row_width", "set_adam_states", "sparse_adam_step", "sum_rows_grad"]
+__all__ = ["adam_step_count", "apply_adam_to_rows", "batch_unique", "dim_of_width", "gather_embeddings",
+           "gather_rows", "get_adam_states", "row_width", "set_adam_states", "sparse_adam_step",
+           "sum_embedding_grads", "sum_rows_grad"]

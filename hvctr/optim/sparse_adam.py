@@ -144,6 +144,73 @@ def gather_rows(rows: Tensor, pos: Tensor, dim: int) -> Tensor:
     return out.detach().requires_grad_()
 
 
+def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """Uninitialised float32 of ``shape`` at a 64-byte boundary, as torch's allocator places
+    its tensors (numpy's large blocks sit 16 bytes past a page: a GEMM's kernels may take
+    other paths there); numpy's, not torch.empty, which is NaN-filled under
+    torch.use_deterministic_algorithms."""
+    n = int(np.prod(shape))
+    buf = np.empty(n + 16, dtype=np.float32)
+    off = (-buf.ctypes.data % 64) // 4
+    return buf[off:off + n].reshape(shape)
+
+
+def gather_embeddings(rows: Tensor, pos: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """``rows[pos, :dim]`` and ``rows[pos, dim]`` as two new contiguous leaves that require
+    grad: embeddings [*pos.shape, dim] and first-order weights [*pos.shape].
+
+    The split form of gather_rows, what the trainer uses: the model reads the embeddings
+    flattened as a view, not a copy of a strided slice, and its backward writes their
+    gradient contiguously, without zero-filling a [*pos.shape, dim+1] gradient to slice it
+    into; w1 gets a gradient only where the model reads it (a DNN does not). Values and
+    gradients are those of gather_rows, bit for bit.
+    """
+    pos = pos.long().contiguous()
+    if rows.dtype == torch.float32 and _native_ok(rows, pos):
+        _check_index(pos, rows.shape[0], "gather_embeddings")
+        emb = torch.from_numpy(_aligned_empty((*pos.shape, dim)))
+        w1 = torch.from_numpy(_aligned_empty(tuple(pos.shape)))
+        lib, width = _native.lib(), rows.shape[1]
+        lib.hv_gather_rows(rows.data_ptr(), width, pos.data_ptr(), pos.numel(), dim, emb.data_ptr())
+        lib.hv_gather_rows(rows.data_ptr() + 4 * dim, width, pos.data_ptr(), pos.numel(), 1, w1.data_ptr())
+    else:
+        emb = F.embedding(pos, rows[:, :dim])
+        w1 = F.embedding(pos, rows[:, dim:dim + 1]).squeeze(-1)
+    return emb.detach().requires_grad_(), w1.detach().requires_grad_()
+
+
+def sum_embedding_grads(pos: Tensor, emb_grad: Tensor, w1_grad: Tensor | None,
+                        unique: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """sum_rows_grad for gather_embeddings' two gradients: ``(uniq [n], summed [n, D+1])``.
+
+    ``w1_grad`` None (the model did not read w1) sums to zeros, as its zero gradient would.
+    Each column is summed in the order of the batch's entries, as sum_rows_grad sums it.
+    """
+    uniq, inverse = unique if unique is not None else batch_unique(pos)
+    d = emb_grad.shape[-1]
+    inv = inverse.reshape(-1).contiguous()
+    ge = emb_grad.detach().reshape(-1, d).contiguous()
+    if ge.shape[0] != inv.numel():
+        raise ValueError(f"grad holds {ge.shape[0]} rows of gradients, positions {inv.numel()}")
+    gw = None if w1_grad is None else w1_grad.detach().reshape(-1, 1).contiguous()
+    out = torch.zeros(uniq.numel(), d + 1, dtype=ge.dtype, device=ge.device)
+    if _native_ok(ge, inv) and ge.dtype == torch.float32 and (gw is None or _native_ok(gw)):
+        _check_index(inv, uniq.numel(), "sum_embedding_grads")
+        lib = _native.lib()
+        summed = torch.zeros(uniq.numel(), d, dtype=ge.dtype)
+        lib.hv_sum_rows(inv.data_ptr(), inv.numel(), ge.data_ptr(), d, summed.data_ptr())
+        out[:, :d] = summed
+        if gw is not None:
+            summed_w1 = torch.zeros(uniq.numel(), 1, dtype=gw.dtype)
+            lib.hv_sum_rows(inv.data_ptr(), inv.numel(), gw.data_ptr(), 1, summed_w1.data_ptr())
+            out[:, d:] = summed_w1
+    else:
+        out[:, :d].index_put_((inv,), ge, accumulate=True)
+        if gw is not None:
+            out[:, d:].index_put_((inv,), gw, accumulate=True)
+    return uniq, out
+
+
 def sum_rows_grad(pos: Tensor, grad: Tensor, unique: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Gradient per distinct row: ``(uniq [n], summed [n, c])`` from ``grad`` [*pos.shape, c].
 

@@ -203,9 +203,13 @@ class ShardedTable:
             uniq, _, inv = unique_in_order(asked)  # ranks ask for the same keys: read each once
             rows = read(uniq)[inv]
             back, _ = self._alltoall(rec, torch.from_numpy(rows), received, f"{name}.rows")
-            out = torch.empty((len(r), self.width), dtype=torch.float32)
-            out[torch.from_numpy(r.order)] = back
-            return self._to_device(out)
+            if r.in_order:  # a window's working set is laid out as the rows arrive
+                return self._to_device(back)
+            # numpy, not torch: torch.empty is NaN-filled and index_put sorts its indices under
+            # torch.use_deterministic_algorithms; a permutation's scatter is deterministic as it is
+            out = np.empty((len(r), self.width), dtype=np.float32)
+            out[r.order] = back.numpy()
+            return self._to_device(torch.from_numpy(out))
 
     def push(self, keys: Keys, rows: torch.Tensor | np.ndarray, name: str) -> None:
         """Sends rows back to their owners, which average each key over the ranks that sent it

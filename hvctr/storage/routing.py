@@ -31,6 +31,7 @@ class Routing:
     order: np.ndarray  # int64 [U]: stable argsort of owner (groups keys by owner)
     splits: list[int]  # [world size]: keys per owner rank, in rank order
     keys_by_owner: np.ndarray  # uint64 [U]: keys[order]
+    in_order: bool = False  # keys are grouped by owner already: order is the identity
 
     @property
     def world_size(self) -> int:
@@ -38,6 +39,17 @@ class Routing:
 
     def __len__(self) -> int:
         return int(self.keys.shape[0])
+
+    def grouped(self) -> "Routing":
+        """The same keys in owner order (``keys_by_owner``; within an owner, this routing's
+        order): its order is the identity, so an alltoall sends and receives rows in the keys'
+        own order, and what a pull receives is the working set itself, with no scatter. The
+        messages are the same as this routing's."""
+        if self.in_order:
+            return self
+        return Routing(keys=self.keys_by_owner, owner=self.owner[self.order],
+                       order=np.arange(len(self), dtype=np.int64), splits=self.splits,
+                       keys_by_owner=self.keys_by_owner, in_order=True)
 
     def subset(self, positions: np.ndarray) -> "Routing":
         """The routing of ``keys[positions]`` (positions increasing, distinct), without hashing

@@ -33,8 +33,8 @@ from hvctr.formats import default_bucket_owner
 from hvctr.dist.log import get_logger
 from hvctr.train.metrics import EvalAccumulator
 from hvctr.models import build_model
-from hvctr.optim import (adam_step_count, apply_adam_to_rows, gather_rows, get_adam_states, set_adam_states,
-                         sparse_adam_step, sum_rows_grad)
+from hvctr.optim import (adam_step_count, apply_adam_to_rows, gather_embeddings, get_adam_states, set_adam_states,
+                         sparse_adam_step, sum_embedding_grads)
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.train.feed import TrainData
 from hvctr.train.lr import LearningRates, batch_growth
@@ -226,21 +226,23 @@ class Trainer:
         return m_v[0::2], m_v[1::2]
 
     def _forward_backward(self, w: Window, i: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch i's step up to its gradients: (distinct positions, summed gradient of each)."""
         pos = torch.from_numpy(w.positions[i]).to(self.device)
-        gathered = gather_rows(rows, pos, self.dim)  # [B, F, D+1], a leaf that requires grad
+        # two contiguous leaves, [B, F, D] and [B, F]: the model reads them without a copy and
+        # its backward writes their gradients whole (gather_rows' [B, F, D+1] would be sliced)
+        emb, w1 = gather_embeddings(rows, pos, self.dim)
         dense = torch.from_numpy(w.dense[i]).to(self.device)
         labels = torch.from_numpy(w.labels[i]).to(self.device)
-        logits = self.model(dense, gathered[..., : self.dim], gathered[..., self.dim])
+        logits = self.model(dense, emb, w1)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.meter.add_loss(float(loss.detach()))
-        return pos, gathered.grad
+        return sum_embedding_grads(pos, emb.grad, w1.grad, self._batch_unique(w, i))
 
     def _local_step(self, w: Window, i: int, rows: torch.Tensor) -> None:
         step = self.state.step + i  # this step's index: the same on every rank, and on resume
-        pos, grad = self._forward_backward(w, i, rows)
-        idx, g = sum_rows_grad(pos, grad, self._batch_unique(w, i))
+        idx, g = self._forward_backward(w, i, rows)
         sparse_adam_step(rows, idx, g, self.lr.sparse(step), self.lr.beta1, self.lr.beta2, self.lr.eps)
         self._set_dense_lr(step)
         self.optimizer.step()
@@ -262,8 +264,7 @@ class Trainer:
 
     def _sync_step(self, w: Window, rows: torch.Tensor) -> list[int]:
         with self.meter.phase("compute"):
-            pos, grad = self._forward_backward(w, 0, rows)
-            idx, g = sum_rows_grad(pos, grad, self._batch_unique(w, 0))
+            idx, g = self._forward_backward(w, 0, rows)
         with self.meter.phase("merge"):
             t0 = time.perf_counter()
             flags = self.reducer.average(self._flags(), name=f"window{w.index}.grads")

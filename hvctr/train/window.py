@@ -39,7 +39,7 @@ class Window:
     labels: np.ndarray  # float32 [n, B]
     dense: np.ndarray  # float32 [n, B, num_dense]
     positions: np.ndarray  # int64 [n, B, F]: index of each key in unique_keys
-    unique_keys: np.ndarray  # uint64 [U], sorted
+    unique_keys: np.ndarray  # uint64 [U]: sorted; routed, grouped by owner (sorted within each)
     batch_unique: list[tuple[torch.Tensor, torch.Tensor]]  # per batch: batch_unique(positions[i])
     routing: Routing | None = None  # unique_keys routed to their owners (None: not routed)
 
@@ -82,15 +82,26 @@ def fitting_prefix(index: KeyIndex, batches: int, max_rows: int) -> int:
 def build_window(index: int, epoch: int, first_batch: int, labels: np.ndarray, dense: np.ndarray,
                  keys_shape: tuple[int, ...], keys_index: KeyIndex, route: Route | None = None) -> Window:
     """The window of the first ``labels.shape[0]`` batches indexed by ``keys_index``; ``route``
-    (e.g. ShardedTable.route) routes its unique keys once, for all its exchanges."""
+    (e.g. ShardedTable.route) routes its unique keys once, for all its exchanges.
+
+    A routed window's working set is laid out in owner order (Routing.grouped): the rows a
+    pull receives are the working set as they arrive, and a push sends them as they lie. The
+    layout changes no result: a row's updates do not depend on where it sits, and the
+    messages are those of the sorted layout."""
     n = labels.shape[0]
     m = keys_index.distinct_in_prefix(n)
     order = np.argsort(keys_index.uniq[:m], kind="stable")
+    unique_keys = keys_index.uniq[:m][order]
+    routing = None
+    if route is not None:
+        routed = route(unique_keys)  # routed.keys is unique_keys: keys_by_owner is unique_keys[routed.order]
+        routing = routed.grouped()
+        order = order[routed.order]
+        unique_keys = routing.keys
     rank = np.empty(m, dtype=np.int64)
     rank[order] = np.arange(m)
     positions = rank[keys_index.inverse[: n * keys_index.keys_per_batch]].reshape((n, *keys_shape[1:]))
-    unique_keys = keys_index.uniq[:m][order]
     return Window(index=index, epoch=epoch, first_batch=first_batch, labels=labels, dense=dense,
                   positions=positions, unique_keys=unique_keys,
-                  batch_unique=[batch_unique(torch.from_numpy(p)) for p in positions],
-                  routing=route(unique_keys) if route is not None else None)
+                  batch_unique=[batch_unique(torch.from_numpy(p)) for p in positions], routing=routing)
+

@@ -1,6 +1,7 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from bench import baseline
@@ -81,3 +82,38 @@ def test_plain_baseline_on_a_data_prep_directory(tmp_path):
     r = json.loads(out.read_text())
     assert r["system"] == "plain_pytorch" and r["steps"] == len(train.labels) // 256
     assert r["valid_count"] == len(valid.labels) and 0 <= r["valid_auc"] <= 1
+
+
+def test_floor_runs_the_mlp_with_its_input_gradient(tmp_path):
+    r = run_ceiling(2, in_features=16 + 13, hidden=(8,), batch_size=64, steps=3, input_grad=True)
+    assert r["system"] == "mlp_floor" and r["processes"] == 2 and r["samples_per_s"] > 0
+    out = tmp_path / "f.jsonl"
+    assert baseline.main(["--runs", "floor1", "--in-features", "29", "--hidden", "8", "--batch-size", "64",
+                          "--ceiling-steps", "2", "--threads", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text().strip())["system"] == "mlp_floor"
+
+
+def test_torchrec_absent_is_skipped_with_a_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(baseline, "torchrec_missing", lambda: "torchrec not importable (test)")
+    out = tmp_path / "t.jsonl"
+    assert baseline.main(["--data", str(tmp_path / "none"), "--runs", "torchrec", "--out", str(out)]) == 0
+    line = json.loads(out.read_text().strip())
+    assert line == {"system": "torchrec", "skipped": "torchrec not importable (test)"}
+    assert "torchrec skipped: torchrec not importable (test)" in capsys.readouterr().err
+
+
+def test_torchrec_peer_learns_the_signal():
+    if baseline.torchrec_missing():
+        pytest.skip(baseline.torchrec_missing())
+    train, _ = _synthetic(40_000, 0)
+    valid, z = _synthetic(8_000, 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = baseline.run_torchrec(train, valid, dim=4, hidden=(32,), batch_size=512, lr=1e-2, sparse_lr=0.1)
+    finally:
+        torch.set_num_threads(threads)
+    from sklearn.metrics import roc_auc_score
+    assert r["system"] == "torchrec" and r["sparse_optimizer"] == "fused rowwise_adagrad"
+    assert r["steps"] == 40_000 // 512 and r["valid_count"] == 8_000
+    assert r["valid_auc"] > roc_auc_score(valid.labels, z) - 0.03, r["valid_auc"]

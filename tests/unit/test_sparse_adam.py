@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvctr.optim import (apply_adam_to_rows, batch_unique, dim_of_width, gather_rows, row_width, sparse_adam_step,
-                         sum_rows_grad)
+from hvctr.optim import (apply_adam_to_rows, batch_unique, dim_of_width, gather_embeddings, gather_rows, row_width,
+                         sparse_adam_step, sum_embedding_grads, sum_rows_grad)
 from hvctr.kernels import native as _native
 
 LR, B1, B2, EPS = 1e-2, 0.9, 0.999, 1e-8
@@ -156,6 +156,36 @@ def test_gather_and_sum_rows_grad_against_autograd(path):
     touched = torch.nonzero(table.grad.abs().sum(1)).flatten()
     assert torch.equal(idx, torch.unique(pos)) and torch.equal(idx, touched)
     torch.testing.assert_close(summed, table.grad[idx], rtol=1e-5, atol=1e-6)
+    assert torch.equal(idx, idx2) and torch.equal(summed, summed2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("reads_w1", [True, False], ids=["w1", "no-w1"])
+def test_split_gather_equals_gather_rows_bit_for_bit(path, reads_w1):
+    """gather_embeddings + sum_embedding_grads (the trainer's) give gather_rows +
+    sum_rows_grad's values and summed gradients exactly, with w1 read or not (a DNN)."""
+    g = torch.Generator().manual_seed(6)
+    U, D, B, Fn = 400, 8, 128, 6
+    rows = torch.randn(U, row_width(D), generator=g)
+    pos = torch.randint(0, 90, (B, Fn), generator=g) * 4
+    lin = torch.nn.Linear(Fn * D, 1)
+
+    def loss(emb, w1):
+        out = lin(emb.flatten(1)).squeeze(1).tanh()
+        return (out + (w1.sum(1).sin() if reads_w1 else 0)).sum()
+
+    with _path(path):
+        p = gather_rows(rows, pos, D)
+        loss(p[..., :D], p[..., D]).backward()
+        idx, summed = sum_rows_grad(pos, p.grad, batch_unique(pos))
+        emb, w1 = gather_embeddings(rows, pos, D)
+        assert emb.is_leaf and emb.requires_grad and emb.is_contiguous() and emb.shape == (B, Fn, D)
+        assert w1.is_leaf and w1.shape == (B, Fn) and emb.data_ptr() % 64 == 0
+        assert torch.equal(emb.detach(), p.detach()[..., :D]) and torch.equal(w1.detach(), p.detach()[..., D])
+        lin.zero_grad()
+        loss(emb, w1).backward()
+        assert (w1.grad is None) is not reads_w1
+        idx2, summed2 = sum_embedding_grads(pos, emb.grad, w1.grad, batch_unique(pos))
     assert torch.equal(idx, idx2) and torch.equal(summed, summed2)
 
 

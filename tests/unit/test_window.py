@@ -55,3 +55,27 @@ def test_window_positions_index_sorted_unique_keys(path, n):
     assert np.array_equal(w.unique_keys, np.unique(keys[:n]))  # sorted, and only the first n batches'
     assert np.array_equal(w.unique_keys[w.positions], keys[:n])
     assert w.num_batches == n and w.first_batch == 10
+
+
+def test_a_routed_window_lays_its_working_set_out_by_owner():
+    """Routed, the working set is grouped by owner (sorted within each), positions follow it,
+    and the routing's order is the identity: a pull's rows arrive as the working set."""
+    from hvctr.formats import default_bucket_owner, owner_of
+    from hvctr.storage.routing import route
+
+    rng = np.random.default_rng(7)
+    keys = rng.integers(0, 2**63, size=(4, 64, 5), dtype=np.uint64)
+    keys[1, :, 0] = keys[0, :, 0]
+    table = default_bucket_owner(3)
+    w = build_window(0, 0, 0, np.zeros((3, 64), np.float32), np.zeros((3, 64, 13), np.float32), keys.shape,
+                     index_keys(keys), route=lambda k: route(k, table, 3))
+    assert np.array_equal(w.unique_keys[w.positions], keys[:3])
+    owner = owner_of(w.unique_keys, table)
+    assert np.all(np.diff(owner) >= 0)
+    for r in range(3):
+        mine = w.unique_keys[owner == r]
+        assert np.all(mine[1:] > mine[:-1])
+    assert w.routing.in_order and np.array_equal(w.routing.order, np.arange(w.unique_keys.size))
+    sorted_routing = route(np.unique(keys[:3]), table, 3)  # the messages of the sorted layout
+    assert np.array_equal(w.routing.keys_by_owner, sorted_routing.keys_by_owner)
+    assert w.routing.splits == sorted_routing.splits
