@@ -144,12 +144,13 @@ def measure(work: Path, rows: int, repeats: int) -> dict[str, Any]:
 
 
 PEERS_HEADING = "## Training against TorchRec"
+PEER_REFERENCES = ("torchrec", "floor", "ceiling")  # plain PyTorch is in the full benchmark's rounds
 
 
 def measure_peers(work: Path, rows: int, repeats: int, before: Path | None) -> dict[str, Any]:
     """Interleaved rounds of hvctr k = 8 (all cached, and the cache at 10% of the table), the
-    same at an earlier commit (``before``, where given), TorchRec, plain PyTorch, the floor
-    and the ceiling: the figures of issue 19, without the sweep."""
+    same at an earlier commit (``before``, where given), TorchRec, the floor and the ceiling:
+    the figures of issue 19, without sync, plain PyTorch and the sweep."""
     data, bayes = make_data(work, rows)
     rounds: list[list[dict[str, Any]]] = []
     table_bytes = 0
@@ -163,7 +164,7 @@ def measure_peers(work: Path, rows: int, repeats: int, before: Path | None) -> d
                     "--merge.every_k_steps=8", f"--storage.cpu_cache_bytes={int(0.1 * table_bytes / 2)}"]),
                 *([lambda: hvctr_run(work, data, f"hvctr_k8_before.{tag}", ["--merge.every_k_steps=8"], src=before)]
                   if before else []),
-                *[lambda w=w: reference_run(work, data, w, tag) for w in REFERENCES]]
+                *[lambda w=w: reference_run(work, data, w, tag) for w in PEER_REFERENCES]]
         rounds.append([k8, *(_with_load(run) for run in runs[1:])])
         (work / "results.json").write_text(json.dumps({"rows": rows, "bayes_auc": bayes, "rounds": rounds,
                                                        "table_bytes": table_bytes}, indent=1))
