@@ -181,6 +181,6 @@ if [ "$MODE" = site ]; then  # what the venv was built against: the site's MPI, 
   "$VPY" -c "import horovod.torch as hvd, sys; sys.exit(0 if hvd.mpi_built() else 1)" \
     || die "Horovod in $VENV was built without MPI: check mpicc (module load openmpi), then HVCTR_HOROVOD_REBUILD=1 bash .ci/setup.sh"
   # Asked without MPI_Init: a login node may forbid it, and Open MPI's singleton init needs ssh.
-  log "MPI library under mpi4py: $("$VPY" -c 'import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())')"
+  log "MPI library under mpi4py: $("$VPY" -c 'import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.Get_library_version().replace(chr(0), "").splitlines()[0].strip())')"
 fi
 log "ready: $("$VPY" -c 'import torch, horovod, h5py, mpi4py; print("torch", torch.__version__, "horovod", horovod.__version__, "h5py", h5py.__version__, "mpi4py", mpi4py.__version__)')"
