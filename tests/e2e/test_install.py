@@ -34,7 +34,7 @@ def test_pip_install_into_a_fresh_venv_then_the_unit_tests_pass(tmp_path):
     _run([base, "-m", "venv", str(venv)])
     py = venv / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "HVCTR_NATIVE")}
-    # The documented two lines (README, Installing): the Horovod wheel (cached by make setup), then pip.
+    # The documented two lines (docs/install.md, Installing with pip anywhere): the Horovod wheel (cached by make setup), then pip.
     wheels = _run([str(src / "install" / "horovod-wheel.sh"), str(py)], env=env, timeout=900).stdout.strip()
     _run([str(py), "-m", "pip", "install", "-q", "-c", "install/constraints.txt", "--find-links", wheels, ".[test]"],
          cwd=src, env=env, timeout=900)

@@ -4,7 +4,7 @@ OpenMPI's mpirun (4.1) forwards SIGUSR1 (and SIGUSR2, SIGTSTP, SIGCONT, SIGABRT,
 every rank and then returns the ranks' exit status: hvctr checkpoints and exits 75, mpirun
 returns 75. SIGTERM and SIGINT it does not forward (ess_base_forward_signals refuses them): it
 tears the job down itself and returns 1, whatever the ranks would have returned. So a wrapper
-that requeues on 75 must send SIGUSR1 to mpirun; the README and slurm/train.sbatch say so.
+that requeues on 75 must send SIGUSR1 to mpirun; docs/checkpoints.md and slurm/train.sbatch say so.
 Both jobs run at once (about 40 s on the 2-core machine).
 """
 

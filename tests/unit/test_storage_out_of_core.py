@@ -18,7 +18,7 @@ BUDGET = 4 << 20
 # Stated overhead beyond the cache budget: one call's transients (keys, rows and their copies
 # for the cache, the shard and write-back, sort permutations; about 1 KiB per key for these
 # 112-byte rows) for calls of 16k keys, the 1 MiB write-merge buffer, and the allocator's
-# slack. README.md quotes it.
+# slack. docs/storage.md quotes it.
 OVERHEAD = 16 << 20
 
 CHILD = textwrap.dedent("""
