@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--trials", type=int, required=True,
                    help="stop when the study holds this many trials (complete, pruned or running)")
     r.add_argument("--max-trials", type=int, default=0, help="this worker runs at most this many (0: no limit)")
-    r.add_argument("--sampler", default="tpe", choices=("tpe", "random"))
+    r.add_argument("--sampler", default="tpe", choices=("tpe", "random"),
+                   help="how the next trial's values are chosen: tpe (Optuna's TPE, the default) or random")
     r.add_argument("--pruner", default="sha", choices=("sha", "hyperband", "median", "none"),
                    help="sha: successive halving (asynchronous), keeping the top third at each evaluation")
     r.add_argument("--seed", type=int, default=0, help="sampler seed, mixed with --worker-id")
@@ -39,10 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--stale-after", type=float, default=120.0,
                    help="seconds without a heartbeat after which a running trial's worker counts as lost")
     rep = sub.add_parser("report", help="table of trials and PNG plots")
-    rep.add_argument("--study", required=True)
+    rep.add_argument("--study", required=True, help="the study directory (hvctr sweep run's --study)")
     rep.add_argument("--out", help="directory for trials.md, trials.csv and the PNGs (default DIR/report)")
     b = sub.add_parser("best", help="write the best trial's config (TOML) for the full training stage")
-    b.add_argument("--study", required=True)
+    b.add_argument("--study", required=True, help="the study directory (hvctr sweep run's --study)")
     b.add_argument("--out", required=True, help="config file to write")
 
 
