@@ -22,8 +22,8 @@ def srun_command(text: str) -> str:
     return " ".join(parts)
 
 
-def test_the_three_scripts_exist():
-    assert [p.name for p in SCRIPTS] == ["eval.sbatch", "prep.sbatch", "train.sbatch"]
+def test_the_scripts_exist():
+    assert [p.name for p in SCRIPTS] == ["eval.sbatch", "prep.sbatch", "sweep.sbatch", "train.sbatch"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -32,9 +32,12 @@ def test_script_conventions(script):
     lines = text.splitlines()
     assert lines[0] == "#!/bin/bash"
     assert "set -euo pipefail" in text
-    assert f"sbatch slurm/{script.name}" in text, "the header says how to submit"
+    assert re.search(rf"\bsbatch\b[^\n]* slurm/{script.name}", text), "the header says how to submit"
     assert 'source "$env_file"' in text and "slurm/env/${HVCTR_ENV:-default}.sh" in text
     # One launch, through PMIx, unbound (hvctr binds), aborting the job when a rank fails.
+    if "\nsrun " not in text:  # sweep.sbatch: hvctr sweep starts each trial's ranks with this srun
+        assert LAUNCH in text and '"$@" &' in text
+        return
     launch = srun_command(text)
     assert launch.startswith(LAUNCH) and "-m mpi4py -m" in launch
     assert launch.endswith('"$@" &' if script.name == "train.sbatch" else '"$@"'), launch  # overrides forwarded
