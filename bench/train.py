@@ -181,7 +181,8 @@ def render_peers(res: dict[str, Any], command: str, machine: str) -> str:
     lines = [PEERS_HEADING, "", f"Command: `{command}`  ", f"Machine: {machine}  ",
              f"Data: {res['rows']:,} synthetic rows (data_prep synth --seed 11, 8 shards, 9.09% held out), "
              f"Bayes-optimal AUC {res['bayes_auc']:.4f}. Model: DNN, 26 fields x 16 dims, MLP 512-256-1, batch 4096 "
-             f"per rank (hvctr: 2 ranks of 1 thread), one epoch. Speeds: medians of {len(R)} interleaved rounds.", ""]
+             f"per rank (hvctr: 2 ranks of 1 thread), one epoch. Speeds: "
+             + (f"medians of {len(R)} interleaved rounds." if len(R) > 1 else "one round (no median)."), ""]
     if "skipped" in trec:
         lines += [f"TorchRec: skipped ({trec['skipped']}).", ""]
     else:
