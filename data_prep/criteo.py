@@ -36,7 +36,7 @@ from data_prep.mpi import Comm, get_comm
 from hvctr.formats.lines import parse_block
 from data_prep.pieces import (FILE_OVERHEAD, ROW_BYTES, PieceBuilder, ShardWriter, piece_path,
                               piece_shard_counts, write_error)
-from hvctr.storage.shard import check_free_space
+from hvctr.formats.space import check_free_space
 from hvctr.formats import NUM_DENSE, NUM_FIELDS, SPLITS, KeySketch
 from hvctr.formats.sources import (Source, Unit, assign_units, count_lines, iter_blocks, line_start_at,
                                make_units, nth_newline, open_sources)

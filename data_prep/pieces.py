@@ -24,7 +24,7 @@ import numpy as np
 from hvctr import formats
 from hvctr.formats.lines import Block
 from hvctr.formats import NUM_DENSE, NUM_FIELDS, KeySketch
-from hvctr.storage.shard import check_free_space
+from hvctr.formats.space import check_free_space
 
 
 WRITE_ROWS = 1 << 15  # rows a shard writer gathers before one write to its file

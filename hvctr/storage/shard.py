@@ -37,7 +37,6 @@ pwrite as the rows do.
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 from pathlib import Path
@@ -48,6 +47,7 @@ import numpy as np
 from hvctr.formats import EMPTY_KEY, NUM_BUCKETS, mix64
 from hvctr.storage import _probe
 from hvctr.formats import RowLayout
+from hvctr.formats.space import check_free_space
 
 FORMAT_VERSION = 1
 BLOCK_BYTES = 4096
@@ -78,15 +78,6 @@ def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
     while buf.nbytes:
         n = os.pwrite(fd, buf, offset)
         buf, offset = buf[n:], offset + n
-
-
-def check_free_space(directory: str, need: int) -> None:
-    """OSError(ENOSPC) when the file system of ``directory`` has fewer than ``need`` bytes free."""
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    if free < need:
-        raise OSError(errno.ENOSPC, f"no space left on device: {free / 2**20:,.1f} MiB free, "
-                                    f"{need / 2**20:,.1f} MiB needed")
 
 
 def _reserve_and_clear_index(path: str, index_offset: int, num_slots: int) -> None:

@@ -48,7 +48,7 @@ from hvctr.dist.world import AgreedError, group_errors, raise_agreed
 from hvctr.formats import default_bucket_owner
 from hvctr.dist.log import get_logger
 from hvctr.kernels import native
-from hvctr.storage.shard import check_free_space
+from hvctr.formats.space import check_free_space
 
 if TYPE_CHECKING:
     import torch
