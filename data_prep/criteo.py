@@ -11,7 +11,9 @@ Two phases, both parallel over processes, the output independent of their number
 2. assemble: once all line counts are known, shard s (train and valid) is written by process
    s mod P from one slice of every piece; rank 0 records each finished shard with checksums.
 Resume: the same command after a kill redoes only what manifest.json does not record as done
-(the manifest, not the existence of a file, is the record). Everything is written under a
+(the manifest, not the existence of a file, is the record). The job it records (options, and each
+input's path, size and mtime) must match: an input modified since is refused, not "complete";
+shard files in --out without a manifest are refused, not overwritten. Everything is written under a
 temporary name and renamed when complete; the manifest is rewritten the same way.
 """
 
@@ -83,8 +85,11 @@ class Job:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="Criteo TSV (plain or gzip) or CSV with a header row; in time order")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (shards + manifest.json)")
+                   help="Criteo TSV (plain or gzip) or CSV with a header row; in time order. A UTF-8 BOM is "
+                        "skipped; a TSV first line of names (label, I1..I13, C1..C26) is read as a header")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="output directory (shards + manifest.json); shard files there without a manifest "
+                        "are refused, never overwritten")
     p.add_argument("--shards", type=int, required=True, metavar="S",
                    help="data shards per split; training rank r reads the shards s with s %% W == r")
     p.add_argument("--valid-fraction", type=float, default=0.0, metavar="F",
@@ -359,9 +364,18 @@ class Tracker:
         units = make_units(sources, chunk)
         ident = _identity(job, sources, chunk, len(units))
         old = _load_manifest(self.path)
-        if old is not None and old.get("job") != ident:
+        if old is not None and _comparable(old.get("job"), ident) != old.get("job"):
             raise ValueError(f"{job.out} holds the output of a different job ({_diff(old.get('job'), ident)}); "
                              "use another --out or delete it")
+        if old is None:
+            _refuse_stray_shards(job.out)
+        elif [r.get("header") for r in old.get("sources", [])] != [list(s.fmt.header) or None for s in sources]:
+            raise ValueError(f"{job.out} holds the output of a different job (inputs' header lines read otherwise: "
+                             "made before TSV header lines were read as column names); use another --out or delete it")
+        for s in sources:
+            if s.fmt.kind == "tsv" and s.fmt.header:
+                log.info(f"{s.path}:1: a header line ({', '.join(s.fmt.header[:3])}, ...): "
+                         "read as the column names, not as data")
         if old is not None and old.get("state") == "complete":
             self.manifest = old
             shutil.rmtree(job.work_dir, ignore_errors=True)  # a kill after the manifest, before cleanup
@@ -495,15 +509,49 @@ def _identity(job: Job, sources: list[Source], chunk_bytes: int, num_units: int)
     return {"shards": job.shards, "valid_fraction": job.valid_fraction, "strict": job.strict,
             "valid_inputs": len(job.valid_inputs),
             "chunk_bytes": chunk_bytes, "piece_lines": job.piece_lines, "units": num_units,
-            "inputs": [{"path": s.path, "size": s.size} for s in sources]}
+            "inputs": [{"path": s.path, "size": s.size, "mtime_ns": os.stat(s.path).st_mtime_ns}
+                       for s in sources]}
+
+
+def _comparable(old: dict | None, new: dict) -> dict:
+    """``new`` as a manifest written before inputs' mtimes were recorded would hold it (those
+    are compared on path and size alone)."""
+    olds = old.get("inputs") if isinstance(old, dict) else None
+    if isinstance(olds, list) and olds and all(isinstance(i, dict) and "mtime_ns" not in i for i in olds):
+        return {**new, "inputs": [{k: v for k, v in i.items() if k != "mtime_ns"} for i in new["inputs"]]}
+    return new
 
 
 def _diff(old: dict | None, new: dict) -> str:
     if not isinstance(old, dict):
         return "no job recorded"
+    new = _comparable(old, new)
     keys = [k for k in new if old.get(k) != new[k]]
-    return ", ".join(f"{k}: {old.get(k)} -> {new[k]}" if k != "inputs" else "inputs or their sizes differ"
+    return ", ".join(f"{k}: {old.get(k)} -> {new[k]}" if k != "inputs" else _inputs_diff(old.get(k), new[k])
                      for k in keys)
+
+
+def _inputs_diff(old, new: list[dict]) -> str:
+    if not isinstance(old, list) or [i.get("path") for i in old] != [i["path"] for i in new]:
+        return "other input files"
+    out = []
+    for o, n in zip(old, new):
+        if o.get("size") != n["size"]:
+            out.append(f"{n['path']}: size {o.get('size')} -> {n['size']}")
+        elif o.get("mtime_ns") != n.get("mtime_ns"):
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(n["mtime_ns"] / 1e9))
+            out.append(f"{n['path']}: modified since (at {when}; the size is the same)")
+    return "; ".join(out) or "inputs differ"
+
+
+def _refuse_stray_shards(out: str) -> None:
+    """Shard files without a manifest are not this job's (a job records every shard it writes):
+    they would be overwritten, or mixed with ours. Named, never touched."""
+    stray = sorted(glob.glob(os.path.join(out, "*-[0-9][0-9][0-9][0-9][0-9].h5")))
+    if stray:
+        more = f" and {len(stray) - 1} more" if len(stray) > 1 else ""
+        raise ValueError(f"{stray[0]}{more}: shard files in {out} without a {MANIFEST} (not this job's output, "
+                         "or its manifest was lost); they would be overwritten: use another --out or delete them")
 
 
 def _load_manifest(path: str) -> dict | None:

@@ -59,18 +59,20 @@ class RowFormat:
         return RowFormat(ord("\t"), NUM_COLS, tuple(range(NUM_COLS)))
 
     @staticmethod
-    def from_header(line: bytes, where: str = "header") -> "RowFormat":
+    def from_header(line: bytes, where: str = "header", sep: bytes = b",") -> "RowFormat":
         """DeepCTR-style CSV: a header naming label, I1..I13, C1..C26 in any order (any case);
-        other columns (e.g. Kaggle's Id) are ignored."""
-        names = [c.strip().decode("ascii", "replace") for c in line.rstrip(b"\r\n").split(b",")]
+        other columns (e.g. Kaggle's Id) are ignored. sep=b"\\t": a TSV file's header line."""
+        names = [c.strip().decode("ascii", "replace") for c in line.rstrip(b"\r\n").split(sep)]
         lower = [n.lower() for n in names]
         cols = []
         for want in formats.COLUMN_NAMES:
             if lower.count(want.lower()) != 1:
-                raise ValueError(f"{where}: CSV header must name column {want!r} exactly once; "
+                what = "CSV header" if sep == b"," else "a header line"
+                raise ValueError(f"{where}: {what} must name column {want!r} exactly once; "
                                  f"found {names}")
             cols.append(lower.index(want.lower()))
-        return RowFormat(ord(","), len(names), tuple(cols), tuple(names), "csv")
+        kind = "csv" if sep == b"," else "tsv"
+        return RowFormat(ord(sep), len(names), tuple(cols), tuple(names), kind)
 
     @property
     def identity(self) -> bool:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import gzip
 import heapq
 import os
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
+from hvctr.formats import NUM_COLS
 from hvctr.formats.lines import RowFormat
 
 # Parse granularity: ~4k Criteo lines. 1 MiB keeps the parser's temporaries in cache: 3x faster
@@ -28,6 +30,17 @@ from hvctr.formats.lines import RowFormat
 BLOCK_BYTES = 1 << 20
 SNIFF_BYTES = 1 << 16
 GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"
+_NAME = re.compile(rb"[A-Za-z_][A-Za-z0-9_ .-]*")
+
+
+def is_tsv_header(first: bytes) -> bool:
+    """Whether a TSV file's first line is a header: every field a name (a letter first, none
+    empty), and 40 or more of them or one of them 'label'. A data line's label is 0 or 1 and
+    its integer columns are digits or empty; a short line of words ("a<TAB>b") stays data."""
+    fields = [f.strip() for f in first.rstrip(b"\r").split(b"\t")]
+    return ((len(fields) >= NUM_COLS or b"label" in (f.lower() for f in fields))
+            and all(_NAME.fullmatch(f) for f in fields))
 
 
 @dataclass(frozen=True)
@@ -37,8 +50,8 @@ class Source:
     size: int  # bytes on disk (compressed for gzip)
     gzip: bool
     fmt: RowFormat
-    header_lines: int  # 1 for CSV (the header), 0 for TSV
-    data_start: int  # byte offset of the first data line in the (uncompressed) stream
+    header_lines: int  # 1 for CSV (the header) and a TSV with a header line, else 0
+    data_start: int  # byte offset of the first data line in the (uncompressed) stream (after a BOM)
 
 
 @dataclass(frozen=True)
@@ -74,17 +87,26 @@ def _open_source(index: int, path: str, fmt: str) -> Source:
         head = _read_head(apath, is_gz)
     except (OSError, EOFError, zlib.error) as e:
         raise ValueError(f"{path}: cannot read input: {e}") from None
+    bom = len(UTF8_BOM) if head.startswith(UTF8_BOM) else 0  # skipped: not part of line 1's first field
+    head = head[bom:]
     first, _, rest = head.partition(b"\n")
     if not head.strip():
         raise ValueError(f"{path}: empty input (no data lines)")
     kind = fmt if fmt != "auto" else ("tsv" if b"\t" in first else "csv" if b"," in first else "")
-    if kind == "tsv":
-        return Source(index, apath, size, is_gz, RowFormat.tsv(), 0, 0)
-    if kind == "csv":
-        row_fmt = RowFormat.from_header(first, where=f"{path}:1")
+    if kind == "tsv" and not is_tsv_header(first):
+        return Source(index, apath, size, is_gz, RowFormat.tsv(), 0, bom)
+    if kind in ("tsv", "csv"):  # a TSV header line is read as a CSV header is: column names
+        sep = b"\t" if kind == "tsv" else b","
+        try:
+            row_fmt = RowFormat.from_header(first, where=f"{path}:1", sep=sep)
+        except ValueError as e:
+            if kind == "csv":
+                raise
+            raise ValueError(f"{e}; a TSV file's header line is read as its column names (label, I1..I13, "
+                             "C1..C26, any order): rename them, or remove the line") from None
         if not rest.strip():
-            raise ValueError(f"{path}: empty input (a CSV header and no data lines)")
-        return Source(index, apath, size, is_gz, row_fmt, 1, len(first) + 1)
+            raise ValueError(f"{path}: empty input (a header line and no data lines)")
+        return Source(index, apath, size, is_gz, row_fmt, 1, bom + len(first) + 1)
     raise ValueError(f"{path}:1: neither Criteo TSV (tab-separated) nor CSV with a header row")
 
 
@@ -169,8 +191,8 @@ def _split_last_line(buf: bytes, final: bool) -> tuple[bytes, bytes]:
 
 def _gzip_blocks(src: Source, block_bytes: int) -> Iterator[tuple[bytes, int]]:
     with open(src.path, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
-        if src.header_lines:
-            _gzip_read(gz.readline, src, raw, 0)
+        if src.data_start:  # a UTF-8 BOM and/or the header line
+            _gzip_read(lambda: gz.read(src.data_start), src, raw, 0)
         carry, read_before, text = b"", raw.tell(), 0
         while True:
             data = _gzip_read(lambda: gz.read(block_bytes), src, raw, text)
