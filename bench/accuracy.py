@@ -96,7 +96,11 @@ def key_of(r: dict, rule: str) -> str:
 
 # Rule names used in BENCHMARKS.md and what they set (besides the mode); "defaults" is the config's.
 LEGEND = {
-    "defaults": "the defaults: merge.lr_scaling = sqrt, merge.adam_scaling = sqrt",
+    "defaults": "the defaults: merge.lr_scaling = sqrt, merge.adam_scaling = sqrt (both the identity at a fixed "
+                "global batch, G=...: the global batch does not grow)",
+    "rates-x-sqrt(W)": "at a fixed global batch, both rates x sqrt(W) (Adam as configured; --data.batch_size_per_rank=G/W)",
+    "scaled-by-W": "at a fixed global batch, the rates x sqrt(W) and Adam's memory / sqrt(W) all the same (what "
+                   "the defaults did before they followed the global batch; --data.batch_size_per_rank=G/W)",
     "none": "--merge.lr_scaling=none --merge.adam_scaling=none (the rates and Adam as configured)",
     "lr-sqrt": "lr_scaling = sqrt, adam_scaling = none", "lr-linear": "lr_scaling = linear, adam_scaling = none",
     "lr-linear+wu16": "lr-linear with lr_warmup_steps = 16", "lr-sqrt+wu16": "lr-sqrt with lr_warmup_steps = 16",

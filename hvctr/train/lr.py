@@ -9,6 +9,10 @@ SGD does (Goyal et al., arXiv 1706.02677): both learning rates x W (``linear``) 
 configured rates. A pure function of (step, W, config): every rank, a resumed run and the
 in-process simulation compute the same rate.
 
+What grows is the global batch, not the rank count as such: with ``data.global_batch_size`` set,
+W ranks take G / W rows each, the global batch stays G, and every rule here is the identity
+(``batch_growth`` = 1): the configured rates and Adam's constants hold at every W.
+
 ``merge.adam_scaling = sqrt`` also shortens Adam's memory as the world grows: 1 - beta1 and
 1 - beta2 x sqrt(W), eps / W^(1/4). Each step of a rank now stands for about sqrt(W) steps'
 worth of samples, so the moments should average over fewer of them; the form follows the
