@@ -34,6 +34,9 @@ from hvctr.train.rundir import (IDENTITY_NAME, LOCK_NAME, RunLock, compare_ident
                                 write_identity)
 from tests.conftest import REPO, VENV_PY, mpi_env
 
+# `python -m hvctr` runs with its cwd outside the checkout, so that it imports the installed hvctr
+# (tests/e2e/test_install.py runs these tests against a pip install, whose kernels are built there)
+
 HOLD = ("import sys, time; from hvctr.train.rundir import RunLock; "
         "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)")
 
@@ -78,7 +81,7 @@ def test_a_killed_holder_leaves_a_stale_lock_that_is_taken_over(holder):
 def test_hvctr_train_on_a_locked_run_directory_is_one_error_before_anything_is_read(holder, tmp_path):
     run_dir, p = holder
     r = subprocess.run([VENV_PY, "-m", "hvctr", "train", f"--train.run_dir={run_dir}",
-                        f"--data.train_dir={tmp_path / 'no-data'}"], cwd=REPO, env=mpi_env(),
+                        f"--data.train_dir={tmp_path / 'no-data'}"], cwd=tmp_path, env=mpi_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if "error" in line]
@@ -182,7 +185,7 @@ def test_a_refused_resume_through_hvctr_train_writes_nothing(datasets, tmp_path)
     _started_run(run_dir, a)
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     r = subprocess.run([VENV_PY, "-m", "hvctr", "train", "--config", str(run_dir / "config.toml"), "--resume",
-                        "--storage.dim=8"], cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=120)
+                        "--storage.dim=8"], cwd=tmp_path, env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "hvctr train: error: --resume: this run differs" in r.stderr and "storage.dim: 4 -> 8" in r.stderr
     assert r.stderr.count("storage.dim: 4 -> 8") == 1 and "Traceback" not in r.stderr
@@ -257,7 +260,7 @@ def test_hvctr_train_with_a_run_directory_under_a_file_stops_before_horovod(tmp_
     blocker = tmp_path / "file"
     blocker.write_text("x")
     r = subprocess.run([VENV_PY, "-m", "hvctr", "train", f"--train.run_dir={blocker}/run",
-                        f"--data.train_dir={tmp_path}"], cwd=REPO, env=mpi_env(),
+                        f"--data.train_dir={tmp_path}"], cwd=tmp_path, env=mpi_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == (f"hvctr train: error: config key 'train.run_dir': cannot use {blocker}/run as a "
@@ -288,7 +291,7 @@ def test_a_cache_larger_than_available_memory_is_named(datasets, tmp_path):
 def test_hvctr_train_with_a_cache_beyond_the_machine_stops_before_horovod(datasets, tmp_path):
     a, _ = datasets
     r = subprocess.run([VENV_PY, "-m", "hvctr", "train", f"--train.run_dir={tmp_path / 'run'}", f"--data.train_dir={a}",
-                        *SMALL, "--storage.cpu_cache_bytes=1e15"], cwd=REPO, env=mpi_env(),
+                        *SMALL, "--storage.cpu_cache_bytes=1e15"], cwd=tmp_path, env=mpi_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("hvctr train: error: config key 'storage.cpu_cache_bytes': 1,000,000,000,000,000 "
