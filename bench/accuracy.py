@@ -98,6 +98,7 @@ def key_of(r: dict, rule: str) -> str:
 LEGEND = {
     "defaults": "the defaults: merge.lr_scaling = sqrt, merge.adam_scaling = sqrt (both the identity at a fixed "
                 "global batch, G=...: the global batch does not grow)",
+    "outer-mom0.5": "the defaults with merge.outer_momentum = 0.5 (SlowMo's outer momentum on the averaged dense move)",
     "rates-x-sqrt(W)": "at a fixed global batch, both rates x sqrt(W) (Adam as configured; --data.batch_size_per_rank=G/W)",
     "scaled-by-W": "at a fixed global batch, the rates x sqrt(W) and Adam's memory / sqrt(W) all the same (what "
                    "the defaults did before they followed the global batch; --data.batch_size_per_rank=G/W)",
