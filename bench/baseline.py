@@ -58,6 +58,17 @@ def _batches(n: int, batch_size: int, drop_last: bool) -> Iterator[slice]:
         yield slice(start, min(start + batch_size, n))
 
 
+def _evaluate(model, valid: Split, valid_idx: np.ndarray, lookup, batch_size: int, num_fields: int) -> EvalAccumulator:
+    """The validation split through ``model``, ``lookup(idx)`` giving each batch's embeddings."""
+    acc = EvalAccumulator()
+    with torch.no_grad():
+        for s in _batches(len(valid.labels), batch_size, drop_last=False):
+            w1 = torch.zeros(s.stop - s.start, num_fields)
+            logits = model(torch.from_numpy(valid.dense[s]), lookup(valid_idx[s]), w1)
+            acc.add_logits(logits, torch.from_numpy(valid.labels[s]))
+    return acc
+
+
 def map_keys(train_keys: np.ndarray, *others: np.ndarray) -> tuple[int, np.ndarray, list[np.ndarray]]:
     """Keys -> rows of one table, done once: (rows, train index, [index of each other set]).
 
@@ -107,12 +118,7 @@ def run_plain(train: Split, valid: Split, *, dim: int = 16, hidden: Sequence[int
             break
     train_s = time.perf_counter() - t0
 
-    acc = EvalAccumulator()
-    with torch.no_grad():
-        for s in _batches(len(valid.labels), batch_size, drop_last=False):
-            w1 = torch.zeros(s.stop - s.start, num_fields)
-            logits = model(torch.from_numpy(valid.dense[s]), emb(torch.from_numpy(valid_idx[s])), w1)
-            acc.add_logits(logits, torch.from_numpy(valid.labels[s]))
+    acc = _evaluate(model, valid, valid_idx, lambda idx: emb(torch.from_numpy(idx)), batch_size, num_fields)
     return {
         "system": "plain_pytorch", "threads": torch.get_num_threads(), "batch_size": batch_size,
         "dim": dim, "hidden": list(hidden), "table_rows": table_rows, "steps": steps,
@@ -195,12 +201,7 @@ def run_torchrec(train: Split, valid: Split, *, dim: int = 16, hidden: Sequence[
             break
     train_s = time.perf_counter() - t0
 
-    acc = EvalAccumulator()
-    with torch.no_grad():
-        for s in _batches(len(valid.labels), batch_size, drop_last=False):
-            w1 = torch.zeros(s.stop - s.start, num_fields)
-            logits = model(torch.from_numpy(valid.dense[s]), lookup(valid_idx[s]), w1)
-            acc.add_logits(logits, torch.from_numpy(valid.labels[s]))
+    acc = _evaluate(model, valid, valid_idx, lookup, batch_size, num_fields)
     import fbgemm_gpu
     return {
         "system": "torchrec", "threads": torch.get_num_threads(), "batch_size": batch_size, "dim": dim,

@@ -38,6 +38,8 @@ import optuna
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
+from hvctr.train.rundir import pid_alive
+
 STUDY_NAME = "hvctr-sweep"
 SETTINGS = "study.json"
 JOURNAL = "journal.log"
@@ -185,16 +187,6 @@ class Lease:
             pass
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def lost_reason(run_dir: Path, started: float | None, stale_after_s: float, now: float | None = None) -> str:
     """Why a RUNNING trial has no live worker ("" when it may have one)."""
     now = time.time() if now is None else now
@@ -206,7 +198,7 @@ def lost_reason(run_dir: Path, started: float | None, stale_after_s: float, now:
         # no lease yet: the worker died between ask and writing it, or is just writing it
         age = now - (started or now)
         return f"no lease, started {age:.0f} s ago" if age > stale_after_s else ""
-    if info.get("host") == socket.gethostname() and not _pid_alive(int(info.get("pid", -1))):
+    if info.get("host") == socket.gethostname() and not pid_alive(int(info.get("pid", -1))):
         return f"worker pid {info.get('pid')} on {info.get('host')} is gone"
     if age > stale_after_s:
         return f"worker pid {info.get('pid')} on {info.get('host')}: no heartbeat for {age:.0f} s"

@@ -41,7 +41,8 @@ LOCK_NAME = "hvctr.lock"
 IDENTITY_NAME = "identity.json"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists on this host (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -149,7 +150,7 @@ class RunLock:
 def _held_by(holder: dict[str, Any] | None) -> str:
     what = describe_holder(holder)
     if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
-            and not _pid_alive(holder["pid"]):
+            and not pid_alive(holder["pid"]):
         what += (" -- that process is gone, but a process it started still holds the lock "
                  "(find it with: fuser -v <lock file>)")
     return what
