@@ -18,7 +18,6 @@ non-deterministic (atomics-based) kernels. Exit codes: 0 done, 2 bad config or i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -192,14 +191,10 @@ def _eval(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    """``path`` under a temporary name, then renamed; on a failed write nothing is left of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
+    """``path`` never half-written (hvctr.train.rundir.write_json)."""
+    from hvctr.train.rundir import write_json
+
+    write_json(path, obj)
 
 
 def format_summary(s: dict[str, Any]) -> str:

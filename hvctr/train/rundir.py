@@ -382,13 +382,19 @@ def check_resume_identity(run_dir: str | Path, now: dict[str, Any]) -> list[str]
     return changed
 
 
-def write_identity(run_dir: str | Path, identity: dict[str, Any]) -> None:
-    """identity.json under a temporary name, then renamed: never half-written."""
-    path = Path(run_dir) / IDENTITY_NAME
+def write_json(path: str | Path, obj: Any, what: str = "") -> None:
+    """``obj`` as JSON at ``path``, under a temporary name, then renamed: never half-written; a
+    failed write leaves nothing of it and is a ValueError naming ``what`` and the path."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(identity, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise ValueError(f"cannot write the run identity {path}: {e.strerror or e}") from None
+        raise ValueError(f"cannot write {what + ' ' if what else ''}{path}: {e.strerror or e}") from None
+
+
+def write_identity(run_dir: str | Path, identity: dict[str, Any]) -> None:
+    """identity.json, never half-written."""
+    write_json(Path(run_dir) / IDENTITY_NAME, identity, "the run identity")
