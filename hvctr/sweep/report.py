@@ -47,7 +47,8 @@ def trial_rows(study: optuna.Study, keys: list[str]) -> list[dict[str, Any]]:
                      **{k: t.params.get(k, "") for k in keys},
                      "auc": a.get("auc", ""), "logloss": a.get("logloss", ""), "steps": a.get("steps", ""),
                      "wall_s": a.get("wall_s", ""), "pruned_at": a.get("pruned_at_step", ""),
-                     "note": a.get("failed", f"retry of {a['retry_of']}" if "retry_of" in a else ""),
+                     "note": a.get("failed", f"retry of {a['retry_of']}" if "retry_of" in a else
+                                   "the base config" if a.get("baseline") else ""),
                      "run_dir": a.get("run_dir", "")})
     return rows
 

@@ -50,6 +50,21 @@ class Param:
     def override(self, value: Any) -> str:
         return f"--{self.key}={value}"
 
+    def value_in(self, cfg) -> Any:
+        """This key's value in a loaded config, as a trial would hold it (enums by value, lists as "a,b")."""
+        section, name = self.key.split(".", 1)
+        v = getattr(getattr(cfg, section), name)
+        v = getattr(v, "value", v)
+        return _choice(list(v)) if isinstance(v, (list, tuple)) else v
+
+    def holds(self, value: Any) -> bool:
+        """``value`` is one this parameter can take (among the choices; within the range, on its step)."""
+        if self.choices is not None:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not self.low <= value <= self.high:
+            return False
+        return not self.step or abs((value - self.low) / self.step - round((value - self.low) / self.step)) < 1e-9
+
 
 @dataclass(frozen=True)
 class Space:
@@ -57,6 +72,16 @@ class Space:
     steps: int
     evals: int
     ranks: int
+
+    def baseline(self, cfg) -> tuple[dict[str, Any] | None, str]:
+        """The base config's value of every parameter, as one trial (the search's reference point:
+        with it first, the best trial is at least the config the user already has), or None and
+        why not: a base value the space cannot take."""
+        values = {p.key: p.value_in(cfg) for p in self.params}
+        outside = [f"{k} = {v!r}" for p, (k, v) in zip(self.params, values.items()) if not p.holds(v)]
+        if outside:
+            return None, f"the base config's {', '.join(outside)} lies outside the search space"
+        return values, ""
 
     def eval_steps(self) -> list[int]:
         """train.max_steps of each evaluation: evenly spaced, the last at ``steps``."""

@@ -7,7 +7,9 @@ for the next trial while the study holds fewer than --trials (complete, pruned, 
 waiting); then, without the lock, train it: ``hvctr train --train.max_steps=s_i --resume`` for
 each evaluation i of the space (each resumes the last chunk's checkpoint, trains to s_i and ends
 with a validation pass: the trial-local evaluation), reporting the validation AUC of each to
-the pruner; a pruned trial stops there. Each trial is a normal hvctr run directory.
+the pruner; a pruned trial stops there. Each trial is a normal hvctr run directory. A new
+study's first trial is the base config's own values of the searched keys (--no-baseline: none),
+so the search starts from the config it is meant to improve on.
 
 A failing hvctr train (exit code other than 0) fails the trial with the command's log named,
 and the worker goes on with the next. SIGTERM / SIGINT (scancel, a preempted array task,
@@ -80,6 +82,21 @@ class Worker:
                               make_pruner(settings["pruner"], self.space.evals))
         self.child: subprocess.Popen | None = None
         self.stop_signal = 0
+
+    def enqueue_baseline(self) -> None:
+        """A new study's first trial is the base config itself (its values of the searched keys), so
+        the search has the user's current config as its reference and the best trial is at least
+        as good (unless it is pruned by better ones). Once per study: the first worker, under the lock."""
+        with lock_held(self.sd.lock):
+            if self.study.get_trials(deepcopy=False):
+                return
+            s = self.settings
+            values, why = self.space.baseline(load_config(s["config"] or None, s["overrides"]))
+            if values is None:
+                log(f"no baseline trial: {why}")
+                return
+            self.study.enqueue_trial(values, user_attrs={"baseline": True})
+            log(f"trial 0 is the base config: {_fmt(values)}")
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -277,6 +294,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     sd = StudyDir(args.study)
     settings = sd.create_or_check(settings_from_args(args, overrides))
     worker = Worker(sd, settings, args)
+    if args.baseline:
+        worker.enqueue_baseline()
     log(f"study {sd.path}: {len(worker.study.trials)} trials so far, up to {args.trials}; sampler "
         f"{settings['sampler']}, pruner {settings['pruner']}, evaluations at steps {worker.space.eval_steps()}")
     return worker.run()

@@ -143,6 +143,23 @@ def test_a_killed_worker_leaves_its_trial_failed_and_resumed(tmp_path, space):
     assert sum(t.state.name == "COMPLETE" for t in trials) == 4 and len(trials) == 5
 
 
+def test_the_first_trial_is_the_base_config(tmp_path, space):
+    from hvctr.config import load_config
+
+    base = load_config(None, ["--model.hidden=32,16"])
+    run_worker(tmp_path / "a", space, 2, "--worker-id", "0", "--pruner", "none", "--model.hidden=32,16")
+    t0, t1 = trials_of(tmp_path / "a")
+    assert t0.params == {"train.dense_lr": base.train.dense_lr, "merge.every_k_steps": base.merge.every_k_steps,
+                         "model.hidden": "32,16"} and t0.user_attrs["baseline"] is True
+    assert "baseline" not in t1.user_attrs
+    # a base value outside the space (hidden 512,256 is not a choice): no baseline, and the log says why
+    r = run_worker(tmp_path / "b", space, 1, "--worker-id", "0")
+    assert "no baseline trial: the base config's model.hidden = '512,256' lies outside the search space" in r.stdout
+    assert "baseline" not in trials_of(tmp_path / "b")[0].user_attrs
+    r = run_worker(tmp_path / "c", space, 1, "--worker-id", "0", "--no-baseline", "--model.hidden=64")
+    assert "baseline" not in trials_of(tmp_path / "c")[0].user_attrs and "base config" not in r.stdout
+
+
 def test_a_torn_journal_line_is_cut_not_spread(tmp_path, space):
     study = tmp_path / "study"
     run_worker(study, space, 2, "--worker-id", "0")
