@@ -121,6 +121,7 @@ class StorageConfig:
 class MergeConfig:
     mode: MergeMode = MergeMode.KSTEP  # kstep: the paper's k-step model merging; sync: the baseline
     every_k_steps: int = 4  # k: local steps between merges (the window length)
+    k_warmup_steps: int = 0  # kstep: windows grow from 1 step to k over this many steps (0: k from the start)
     # dense Adam states averaged with the parameters; params: same AUC as params+m+v in the k sweep
     # (BENCHMARKS.md, Training), a third of the bytes, better calibration; PaddleBox merges params too
     states: MergeStates = MergeStates.PARAMS
@@ -409,6 +410,7 @@ def _validate(cfg: Config) -> None:
     _require(s.admit_sketch_slots >= 1024, "storage.admit_sketch_slots", f"must be >= 1024, got {s.admit_sketch_slots}")
     _require(m.every_k_steps >= 1, "merge.every_k_steps", f"must be >= 1, got {m.every_k_steps}")
     _require(m.lr_warmup_steps >= 0, "merge.lr_warmup_steps", f"must be >= 0, got {m.lr_warmup_steps}")
+    _require(m.k_warmup_steps >= 0, "merge.k_warmup_steps", f"must be >= 0, got {m.k_warmup_steps}")
     _require(m.outer_lr > 0, "merge.outer_lr", f"must be > 0, got {m.outer_lr}")
     _require(0 <= m.outer_momentum < 1, "merge.outer_momentum", f"must be in [0, 1), got {m.outer_momentum}")
     _require(d.batch_size_per_rank >= 1, "data.batch_size_per_rank", f"must be >= 1, got {d.batch_size_per_rank}")

@@ -2,8 +2,9 @@
 
 Every rank produces the same sequence of windows, and so the same sequence of collectives:
 - the number of batches per epoch is agreed once (the minimum over ranks; the rest dropped);
-- each window's length is the minimum over ranks of what each can take (k, the end of the
-  epoch, the working-set bound), agreed by an allreduce-min;
+- each window's length is the minimum over ranks of what each can take (k, or less while
+  ``merge.k_warmup_steps`` ramps it up; the end of the epoch; the working-set bound), agreed
+  by an allreduce-min;
 - the thread prepares window t+1 only when the main thread asks for it, which it does when it
   takes window t. So when a stop is agreed at merge(t), every rank's thread has started
   exactly window t+1 and no further: no rank is left waiting in a collective for t+2.
@@ -43,6 +44,17 @@ class Schedule:
     every_k_steps: int
     max_working_set_rows: int
     max_steps: int  # 0: no limit
+    k_warmup_steps: int = 0  # the window length ramps from 1 to k over this many steps (0: k from the start)
+
+    def window_steps(self, steps_done: int) -> int:
+        """k for a window starting after ``steps_done`` steps: during the warmup the length grows
+        linearly with the step, from 1 to k (post-local SGD's early merges, arXiv 1808.07217,
+        without its synchronous phase: local models drift most while the loss falls fast). A
+        pure function of the step, so a resumed run takes the same windows."""
+        n = self.k_warmup_steps
+        if n <= 0 or steps_done >= n:
+            return self.every_k_steps
+        return max(1, min(self.every_k_steps, (steps_done + 1) * self.every_k_steps // n))
 
     def total_steps(self) -> int:
         total = self.batches_per_epoch * self.epochs
@@ -83,7 +95,7 @@ class WindowSource:
         if self._epoch >= s.epochs or remaining_total <= 0:
             return None
         t0 = time.perf_counter()
-        want = min(s.every_k_steps, s.batches_per_epoch - self._batch, remaining_total)
+        want = min(s.window_steps(self._steps_done), s.batches_per_epoch - self._batch, remaining_total)
         reader = self._readers.get(self._epoch) or self._readers.setdefault(
             self._epoch, self._reader_for_epoch(self._epoch))
         labels, dense, keys = reader.read(self._batch, want)

@@ -281,7 +281,7 @@ MUST_MATCH = frozenset({
     "model.arch", "model.hidden", "model.num_dense", "model.num_fields",
     "storage.dim", "storage.seed", "storage.init_scale", "storage.admit_after", "storage.admit_sketch_slots",
     "storage.ttl_passes",
-    "merge.mode", "merge.every_k_steps",
+    "merge.mode", "merge.every_k_steps", "merge.k_warmup_steps",
     "data.batch_size_per_rank",
     "train.seed",
     "data.digest",

@@ -127,7 +127,8 @@ class Trainer:
         k = 1 if self.cfg.merge.mode is MergeMode.SYNC else self.cfg.merge.every_k_steps
         return Schedule(batches_per_epoch=self.data.batches_per_epoch, epochs=self.cfg.train.epochs,
                         every_k_steps=k, max_working_set_rows=self.cfg.storage.max_working_set_rows,
-                        max_steps=self.cfg.train.max_steps)
+                        max_steps=self.cfg.train.max_steps,
+                        k_warmup_steps=0 if k == 1 else self.cfg.merge.k_warmup_steps)
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -142,7 +143,9 @@ class Trainer:
                               route=functools.partial(self.table.route, trusted=True))
         log.info(f"training: {total} steps per rank, {schedule.batches_per_epoch} batches per epoch "
                  f"({self.data.dropped_batches} remainder batches dropped on this rank), "
-                 f"merge {self.cfg.merge.mode.value} k={schedule.every_k_steps}; {self.lr.describe()}")
+                 f"merge {self.cfg.merge.mode.value} k={schedule.every_k_steps}"
+                 + (f" (from 1 over the first {schedule.k_warmup_steps} steps)" if schedule.k_warmup_steps else "")
+                 + f"; {self.lr.describe()}")
         every = self.cfg.checkpoint.every_windows
         eval_every = self.cfg.metrics.eval_every_windows
         self.meter.start(self.state.step)

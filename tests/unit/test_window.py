@@ -79,3 +79,41 @@ def test_a_routed_window_lays_its_working_set_out_by_owner():
     sorted_routing = route(np.unique(keys[:3]), table, 3)  # the messages of the sorted layout
     assert np.array_equal(w.routing.keys_by_owner, sorted_routing.keys_by_owner)
     assert w.routing.splits == sorted_routing.splits
+
+
+class _OneRank:
+    def allreduce_min_int(self, values, name):
+        return list(values)
+
+
+class _Reader:
+    def read(self, first, count):
+        return (np.zeros((count, 4), np.float32), np.zeros((count, 4, 13), np.float32),
+                np.arange(first * 8, (first + count) * 8, dtype=np.int64).reshape(count, 4, 2))
+
+
+def _lengths(schedule, start=(0, 0, 0)):
+    from hvctr.train.prefetch import WindowSource
+
+    src = WindowSource(lambda epoch: _Reader(), schedule, _OneRank(), None, start, prefetch=False, timeout_s=10)
+    out = []
+    while (w := src.next()) is not None:
+        out.append(len(w.labels))
+    return out
+
+
+def test_k_warmup_grows_the_windows_from_one_step_to_k():
+    from hvctr.train.prefetch import Schedule
+
+    s = Schedule(batches_per_epoch=40, epochs=1, every_k_steps=8, max_working_set_rows=10**9, max_steps=0,
+                 k_warmup_steps=16)
+    assert [s.window_steps(n) for n in (0, 1, 2, 3, 5, 8, 12, 15, 16, 100)] == [1, 1, 1, 2, 3, 4, 6, 8, 8, 8]
+    assert _lengths(s) == [1, 1, 1, 2, 3, 4, 6, 8, 8, 6]  # 40 steps: the last window ends the epoch
+    # a run resumed after window 4 (8 steps) takes the windows the uninterrupted run took
+    assert _lengths(s, start=(0, 8, 5)) == [4, 6, 8, 8, 6]
+    off = Schedule(batches_per_epoch=40, epochs=1, every_k_steps=8, max_working_set_rows=10**9, max_steps=0)
+    assert _lengths(off) == [8] * 5 and off.window_steps(0) == 8
+    from hvctr.config import load_config
+
+    with pytest.raises(ValueError, match="merge.k_warmup_steps"):
+        load_config(None, ["--merge.k_warmup_steps=-1"])
