@@ -117,6 +117,15 @@ LEGEND = {
     "lr-sqrt+adam-kappa-W": "lr-sqrt with Adam's 1 - beta x W, eps / sqrt(W) (Malladi et al.'s own kappa; experiment)",
     "defaults+sparse-sqrt": "the defaults with sparse_rule = sqrt",
     "defaults+states-pmv": "the defaults with states = params+m+v (Adam's moments merged too)",
+    "kwarm64": "the defaults with merge.k_warmup_steps = 64 (windows grow from 1 step to k over the first 64 steps)",
+    "kwarm122": "the defaults with merge.k_warmup_steps = 122 (over the first half of the epoch)",
+    "sparse-sqrt": "the defaults with merge.sparse_rule = sqrt",
+    "outer-lr2": "the defaults with merge.outer_lr = 2 (the averaged dense move doubled)",
+    "mom0.5+kwarm122": "outer_momentum = 0.5 and k_warmup_steps = 122 together",
+    "seed2": "the defaults with train.seed = 2 (another dense initialisation: a second sample of each gap)",
+    "seed3": "the defaults with train.seed = 3",
+    "seed2+outer-mom0.5": "seed 2 with merge.outer_momentum = 0.5 (its gap is to the defaults' W = 1, seed 0: "
+                          "0.0001 above seed 2's)",
 }
 
 
@@ -134,12 +143,13 @@ def render(results: dict[str, dict], command: str) -> str:
     lines.append("| data | rule | mode | how | " + " | ".join(f"W={w}" for w in worlds) + " |")
     lines.append("|---|---|---|---|" + "---|" * len(worlds))
     for (data, rule, mode, how), by_w in sorted(rows.items()):
-        # the baseline: W = 1 of this rule (a rule can act at W = 1: an outer step), else any rule's
-        # W = 1 of the data and mode (the rates and Adam's constants of every rule are the configured ones at W = 1)
-        # (at W = 1 the modes coincide too: one rank's Adam, merged with itself)
-        ones = [r[1] for (d, _, m, h), r in sorted(rows.items(), key=lambda kv: kv[0][2] != mode) if d == data
-                and h == "sim" and 1 in r]
-        base = rows.get((data, rule, mode, "sim"), {}).get(1) or (ones[0] if ones else None)
+        # the baseline: W = 1 of this rule (a rule can act at W = 1: an outer step, a seed), in this
+        # mode or another (at W = 1 the modes coincide: one rank's Adam, merged with itself), else
+        # any rule's W = 1 of the data, this mode first (the rates and Adam's constants of every
+        # rule are the configured ones at W = 1)
+        ones = [r[1] for (d, ru, m, h), r in sorted(rows.items(), key=lambda kv: (kv[0][1] != rule, kv[0][2] != mode))
+                if d == data and h == "sim" and 1 in r]
+        base = ones[0] if ones else None
         cells = []
         for w in worlds:
             r = by_w.get(w)
