@@ -117,6 +117,8 @@ LEGEND = {
     "lr-sqrt+adam-kappa-W": "lr-sqrt with Adam's 1 - beta x W, eps / sqrt(W) (Malladi et al.'s own kappa; experiment)",
     "defaults+sparse-sqrt": "the defaults with sparse_rule = sqrt",
     "defaults+states-pmv": "the defaults with states = params+m+v (Adam's moments merged too)",
+    "states-pmv": "the defaults with merge.states = params+m+v (the seed paper's k-step Adam: Adam's moments "
+                  "merged with the parameters, 3x the dense bytes)",
     "kwarm64": "the defaults with merge.k_warmup_steps = 64 (windows grow from 1 step to k over the first 64 steps)",
     "kwarm122": "the defaults with merge.k_warmup_steps = 122 (over the first half of the epoch)",
     "sparse-sqrt": "the defaults with merge.sparse_rule = sqrt",
