@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sha: successive halving (asynchronous), keeping the top third at each evaluation")
     r.add_argument("--seed", type=int, default=0, help="sampler seed, mixed with --worker-id")
     r.add_argument("--no-baseline", dest="baseline", action="store_false",
-                   help="do not make the new study's first trial the base config's own values of the searched keys")
+                   help="do not make the new study's first trial the base config's own values of the searched keys "
+                        "(a setting of the study, as --sampler is)")
     r.add_argument("--worker-id", type=int, help="this worker's index (default: $SLURM_ARRAY_TASK_ID, else the pid)")
     r.add_argument("--launcher", default="mpirun -np {ranks} --bind-to none",
                    help="command that starts a trial's ranks before `python -m mpi4py -m hvctr train`; "

@@ -285,7 +285,9 @@ def settings_from_args(args: argparse.Namespace, overrides: list[str]) -> dict[s
     load_config(args.config, overrides)  # the base config must load
     return {"space": tomllib.loads(Path(args.space).read_text()),
             "config": str(Path(args.config).resolve()) if args.config else "",
-            "overrides": list(overrides), "sampler": args.sampler, "pruner": args.pruner, "seed": args.seed}
+            "overrides": list(overrides), "sampler": args.sampler, "pruner": args.pruner, "seed": args.seed,
+            # recorded only when off, so that studies made before the baseline existed still match
+            **({} if args.baseline else {"baseline": False})}
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -294,7 +296,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     sd = StudyDir(args.study)
     settings = sd.create_or_check(settings_from_args(args, overrides))
     worker = Worker(sd, settings, args)
-    if args.baseline:
+    if settings.get("baseline", True):  # a study setting: every worker of the study agrees on it
         worker.enqueue_baseline()
     log(f"study {sd.path}: {len(worker.study.trials)} trials so far, up to {args.trials}; sampler "
         f"{settings['sampler']}, pruner {settings['pruner']}, evaluations at steps {worker.space.eval_steps()}")

@@ -158,6 +158,10 @@ def test_the_first_trial_is_the_base_config(tmp_path, space):
     assert "baseline" not in trials_of(tmp_path / "b")[0].user_attrs
     r = run_worker(tmp_path / "c", space, 1, "--worker-id", "0", "--no-baseline", "--model.hidden=64")
     assert "baseline" not in trials_of(tmp_path / "c")[0].user_attrs and "base config" not in r.stdout
+    # --no-baseline is the study's: a worker that joins with --space must give it too
+    r = subprocess.run(worker_cmd(tmp_path / "c", space, 2, "--model.hidden=64"), cwd=REPO, capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "holds a study made with other settings (baseline" in r.stderr
 
 
 def test_a_torn_journal_line_is_cut_not_spread(tmp_path, space):
