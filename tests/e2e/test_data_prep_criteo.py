@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -112,10 +113,17 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, big_input, phase, np_
         ready = lambda m: sum(u is not None for u in m["units"]) >= 3
     else:
         ready = lambda m: m["phase"] == "assemble"
-    run_until(criteo_cmd(np_killed, *args), tmp_path / "out", ready)
-    m = manifest(tmp_path / "out")
+    for attempt in range(3):
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        run_until(criteo_cmd(np_killed, *args), tmp_path / "out", ready)
+        m = manifest(tmp_path / "out")
+        done_before = sum(u is not None for u in m["units"])
+        # Rank 0 rewrites the manifest at most every max(0.5 s, 50 x a rewrite's cost): on a loaded
+        # machine the first rewrite after the phase starts can already hold every parse unit, and
+        # then there is no middle of the parse to kill in. Only that case is run again.
+        if phase != "parse" or done_before < len(m["units"]):
+            break
     assert m["state"] == "in_progress"
-    done_before = sum(u is not None for u in m["units"])
     r = criteo(np_resumed, *args)
     assert "resuming" in r.stdout
     m = manifest(tmp_path / "out")
