@@ -56,3 +56,22 @@ def tmpfs(tmp_path):
     yield mount
     for path in mounted:
         unmount(path)
+
+
+def shard_checksums(manifest: dict) -> dict:
+    """Each split's per-shard checksums from a data_prep manifest: equal outputs, equal dicts."""
+    from hvctr import formats
+
+    return {split: [r["checksums"] for r in manifest["shards"][split]] for split in formats.SPLITS}
+
+
+def run_data_prep(inputs, out: Path, shards: int, **job) -> dict:
+    """data_prep criteo in this process (one rank), asserting success; the manifest it wrote."""
+    import json
+
+    from data_prep.criteo import Job, run_job
+    from data_prep.mpi import Comm
+
+    assert run_job(Comm(), Job(tuple(str(p) for p in inputs), str(out), shards, **job)) == 0
+    return json.loads((out / "manifest.json").read_text())
+

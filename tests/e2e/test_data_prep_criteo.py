@@ -15,7 +15,7 @@ import pytest
 
 from hvctr import formats
 from data_prep.synth import generate
-from tests.conftest import TEST_DATA, VENV_PY, mpi_env
+from tests.conftest import TEST_DATA, VENV_PY, mpi_env, shard_checksums
 
 SAMPLE = TEST_DATA / "criteo_sample_400.tsv"
 
@@ -36,9 +36,6 @@ def criteo(np_: int, *args, check: bool = True) -> subprocess.CompletedProcess:
 def manifest(out: Path) -> dict:
     return json.loads((out / "manifest.json").read_text())
 
-
-def checksums(m: dict) -> dict:
-    return {split: [r["checksums"] for r in m["shards"][split]] for split in formats.SPLITS}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +64,7 @@ def test_same_shards_for_1_2_3_processes(tmp_path, mixed_inputs):
         assert m["state"] == "complete" and m["sessions"][-1]["processes"] == max(np_, 1)
         assert m["totals"]["rows"] == 90_000 and m["totals"]["bad_lines"] == 0
         assert m["job"]["units"] > 10  # the plain file really is split into byte ranges
-        sums[np_] = checksums(m)
+        sums[np_] = shard_checksums(m)
         # progress on rank 0: rows/s, bytes, ETA
         assert "rows/s" in r.stdout and "MB" in r.stdout and "ETA" in r.stdout
     assert sums[0] == sums[1] == sums[2] == sums[3]
@@ -80,7 +77,7 @@ def big_input(tmp_path_factory) -> tuple[Path, dict]:
     generate(2_000_000, seed=31, out=str(root / "big.tsv"))  # parse lasts several manifest flushes (0.5 s apart)
     criteo(0, "--input", root / "big.tsv", "--out", root / "ref", "--shards", 16, "--valid-fraction", 0.05,
            "--chunk-mb", 1)
-    return root / "big.tsv", checksums(manifest(root / "ref"))
+    return root / "big.tsv", shard_checksums(manifest(root / "ref"))
 
 
 def run_until(cmd: list[str], out: Path, ready) -> None:
@@ -132,7 +129,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, big_input, phase, np_
     assert sessions.count(1) == done_before > 0  # what was recorded was kept, not redone
     if phase == "parse":
         assert 2 in sessions
-    assert checksums(m) == ref
+    assert shard_checksums(m) == ref
     assert not list((tmp_path / "out").glob("*.tmp")) and not (tmp_path / "out" / "_work").exists()
 
 

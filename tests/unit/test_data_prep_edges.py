@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from data_prep.criteo import Job, run_job
-from data_prep.mpi import Comm
 from data_prep.synth import generate
 from hvctr import formats
 from hvctr.formats.sources import open_sources
 from hvctr.offline.score import read_rows
+from tests.conftest import run_data_prep, shard_checksums
 
 BOM = b"\xef\xbb\xbf"
 HEADER = "\t".join(formats.COLUMN_NAMES).encode()
@@ -39,12 +38,8 @@ def tsv(tmp_path_factory) -> Path:
 
 
 def run(inputs, out: Path, shards=2, **kw) -> dict:
-    assert run_job(Comm(), Job(tuple(str(p) for p in inputs), str(out), shards, **kw)) == 0
-    return json.loads((out / "manifest.json").read_text())
+    return run_data_prep(inputs, out, shards, **kw)
 
-
-def checksums(m: dict) -> dict:
-    return {split: [r["checksums"] for r in m["shards"][split]] for split in formats.SPLITS}
 
 
 @pytest.fixture(scope="module")
@@ -56,21 +51,21 @@ def test_a_utf8_bom_is_skipped(tmp_path, tsv, plain):
     data = tsv.read_bytes()
     (tmp_path / "bom.tsv").write_bytes(BOM + data)
     m = run([tmp_path / "bom.tsv"], tmp_path / "o1", valid_fraction=0.2, chunk_bytes=1 << 16)
-    assert m["totals"]["bad_lines"] == 0 and checksums(m) == checksums(plain)
+    assert m["totals"]["bad_lines"] == 0 and shard_checksums(m) == shard_checksums(plain)
     (tmp_path / "bom.tsv.gz").write_bytes(gzip.compress(BOM + data, compresslevel=1))
     m = run([tmp_path / "bom.tsv.gz"], tmp_path / "o2", valid_fraction=0.2)
-    assert m["totals"]["bad_lines"] == 0 and checksums(m) == checksums(plain)
+    assert m["totals"]["bad_lines"] == 0 and shard_checksums(m) == shard_checksums(plain)
     csv = BOM + HEADER.replace(b"\t", b",") + b"\n" + data.replace(b"\t", b",")
     (tmp_path / "bom.csv").write_bytes(csv)
     m = run([tmp_path / "bom.csv"], tmp_path / "o3", valid_fraction=0.2)
-    assert m["totals"]["bad_lines"] == 0 and checksums(m) == checksums(plain)
+    assert m["totals"]["bad_lines"] == 0 and shard_checksums(m) == shard_checksums(plain)
 
 
 def test_a_tsv_header_line_is_read_as_column_names(tmp_path, tsv, plain):
     data = tsv.read_bytes()
     (tmp_path / "head.tsv").write_bytes(HEADER + b"\n" + data)
     m = run([tmp_path / "head.tsv"], tmp_path / "o1", valid_fraction=0.2, chunk_bytes=1 << 16)
-    assert m["totals"]["bad_lines"] == 0 and checksums(m) == checksums(plain)
+    assert m["totals"]["bad_lines"] == 0 and shard_checksums(m) == shard_checksums(plain)
     # an output made when the header line was a bad line is not resumed, nor "complete"
     m["sources"][0]["header"] = None
     (tmp_path / "o1" / "manifest.json").write_text(json.dumps(m))
@@ -79,14 +74,14 @@ def test_a_tsv_header_line_is_read_as_column_names(tmp_path, tsv, plain):
     # gzip, with a BOM and a CRLF header line end too
     (tmp_path / "head.tsv.gz").write_bytes(gzip.compress(BOM + HEADER + b"\r\n" + data, compresslevel=1))
     m = run([tmp_path / "head.tsv.gz"], tmp_path / "o2", valid_fraction=0.2)
-    assert m["totals"]["bad_lines"] == 0 and checksums(m) == checksums(plain)
+    assert m["totals"]["bad_lines"] == 0 and shard_checksums(m) == shard_checksums(plain)
     # columns in another order are read by name
     lines = [line.split(b"\t") for line in data.splitlines()]
     order = [0] + list(range(39, 0, -1))
     swapped = [b"\t".join(f[i] for i in order) for f in [HEADER.split(b"\t")] + lines]
     (tmp_path / "swapped.tsv").write_bytes(b"\n".join(swapped) + b"\n")
     m = run([tmp_path / "swapped.tsv"], tmp_path / "o3", valid_fraction=0.2)
-    assert m["totals"]["bad_lines"] == 0 and checksums(m) == checksums(plain)
+    assert m["totals"]["bad_lines"] == 0 and shard_checksums(m) == shard_checksums(plain)
     # a bad line is named by its line in the file (the header is line 1)
     bad = data.splitlines()
     bad.insert(9, b"2" + b"\t" * 39)

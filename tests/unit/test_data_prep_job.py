@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import json
 import random
 from pathlib import Path
 
@@ -12,12 +11,11 @@ import numpy as np
 import pytest
 
 from hvctr import formats
-from data_prep.criteo import Job, run_job
-from data_prep.mpi import Comm
 from hvctr.formats.lines import RowFormat, parse_block
 from data_prep.pieces import KeySketch, piece_shard_counts
 from hvctr.formats.sources import Unit, assign_units, iter_blocks, make_units, open_sources
 from data_prep.synth import generate
+from tests.conftest import run_data_prep, shard_checksums
 from hvctr.formats import mix64
 
 
@@ -29,12 +27,8 @@ def tsv(tmp_path_factory) -> Path:
 
 
 def run(inputs, out: Path, shards=3, **kw) -> dict:
-    assert run_job(Comm(), Job(tuple(str(p) for p in inputs), str(out), shards, **kw)) == 0
-    return json.loads((out / "manifest.json").read_text())
+    return run_data_prep(inputs, out, shards, **kw)
 
-
-def checksums(m: dict) -> dict:
-    return {split: [r["checksums"] for r in m["shards"][split]] for split in formats.SPLITS}
 
 
 def read_split(out: Path, m: dict, split: str) -> list[dict[str, np.ndarray]]:
@@ -135,7 +129,7 @@ def test_output_does_not_depend_on_chunking_or_pieces(tmp_path, tsv):
     small = run([tsv], tmp_path / "small", shards=3, valid_fraction=0.1, chunk_bytes=1 << 16, piece_lines=500)
     big = run([tsv], tmp_path / "big", shards=3, valid_fraction=0.1)
     assert small["job"]["units"] > 10 and big["job"]["units"] == 1
-    assert checksums(small) == checksums(big)
+    assert shard_checksums(small) == shard_checksums(big)
 
 
 def test_gzip_and_deepctr_csv_give_the_same_shards(tmp_path, tsv):
@@ -148,9 +142,9 @@ def test_gzip_and_deepctr_csv_give_the_same_shards(tmp_path, tsv):
         for line in src:
             f = line.rstrip("\n").split("\t")
             dst.write(",".join(x + ".0" if 1 <= c <= 13 and x else x for c, x in enumerate(f)) + "\n")
-    assert checksums(run([gz], tmp_path / "gz", shards=2, valid_fraction=0.2)) == checksums(plain)
+    assert shard_checksums(run([gz], tmp_path / "gz", shards=2, valid_fraction=0.2)) == shard_checksums(plain)
     csv_run = run([csv], tmp_path / "csv", shards=2, valid_fraction=0.2, chunk_bytes=1 << 16)
-    assert checksums(csv_run) == checksums(plain)
+    assert shard_checksums(csv_run) == shard_checksums(plain)
 
 
 def test_bad_lines_are_named_by_file_and_line_in_any_chunk(tmp_path, tsv):
