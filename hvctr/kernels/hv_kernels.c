@@ -188,3 +188,98 @@ void hv_gather_rows(const float *rows, int64_t width, const int64_t *pos, int64_
         for (int64_t j = 0; j < c; ++j) o[j] = r[j];
     }
 }
+
+/* --- linear-probing hash tables: the CPU cache's key -> entry table and the shard's index ---
+
+   Both are arrays of 16-byte records {uint64 key, int64 value}; key k starts at slot
+   mix64(k ^ salt) % nslots (splitmix64's finaliser, hvctr.formats.mix64) and walks on by one.
+   A slot is empty (a lookup stops there) where its value is -1 (empty_by_key = 0: the cache,
+   whose dead slots hold the value -2 and a key no real key equals) or its key is HV_EMPTY_KEY
+   (empty_by_key = 1: the shard, which never removes an entry). */
+
+typedef struct { uint64_t key; int64_t value; } hv_slot;
+
+static inline uint64_t hv_mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static inline int slot_empty(const hv_slot *s, int64_t empty_by_key)
+{
+    return empty_by_key ? s->key == HV_EMPTY_KEY : s->value == -1;
+}
+
+/* out[i] = the value stored with keys[i], or -1 where the key is absent. Homes are hashed a
+   block ahead and their slots prefetched: a probe is then one cache miss that overlaps others. */
+void hv_probe_find(const hv_slot *table, int64_t nslots, const uint64_t *keys, int64_t n, uint64_t salt,
+                   int64_t empty_by_key, int64_t *out)
+{
+    enum { BLOCK = 64 };
+    int64_t home[BLOCK];
+    for (int64_t b = 0; b < n; b += BLOCK) {
+        const int64_t m = n - b < BLOCK ? n - b : BLOCK;
+        for (int64_t i = 0; i < m; ++i) {
+            home[i] = (int64_t)(hv_mix64(keys[b + i] ^ salt) % (uint64_t)nslots);
+            __builtin_prefetch(table + home[i], 0);
+        }
+        for (int64_t i = 0; i < m; ++i) {
+            const uint64_t key = keys[b + i];
+            int64_t s = home[i], value = -1;
+            for (int64_t probed = 0; probed < nslots; ++probed) {
+                const hv_slot *t = table + s;
+                if (t->key == key && !(empty_by_key == 0 && t->value < 0)) { value = t->value; break; }
+                if (slot_empty(t, empty_by_key)) break;
+                if (++s == nslots) s = 0;
+            }
+            out[b + i] = value;
+        }
+    }
+}
+
+/* Stores keys[i] -> values[i] (keys absent and unique) in the first free slot from each home,
+   in batch order: a free slot is an empty one, or (the cache) a dead one (value -2). Writes
+   each key's slot to slots_out. Returns how many dead slots were reused, or -1 - i where key i
+   found no free slot (the caller bounds the load factor, so this is a bug). */
+int64_t hv_probe_claim(hv_slot *table, int64_t nslots, const uint64_t *keys, const int64_t *values, int64_t n,
+                       uint64_t salt, int64_t empty_by_key, int64_t *slots_out)
+{
+    int64_t reused = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t s = (int64_t)(hv_mix64(keys[i] ^ salt) % (uint64_t)nslots), probed = 0;
+        if (i + 8 < n) __builtin_prefetch(table + (int64_t)(hv_mix64(keys[i + 8] ^ salt) % (uint64_t)nslots), 1);
+        for (;;) {
+            hv_slot *t = table + s;
+            if (slot_empty(t, empty_by_key)) break;
+            if (!empty_by_key && t->value == -2) { ++reused; break; }
+            if (++probed == nslots) return -1 - i;
+            if (++s == nslots) s = 0;
+        }
+        table[s].key = keys[i];
+        table[s].value = values[i];
+        slots_out[i] = s;
+    }
+    return reused;
+}
+
+/* out[i] = rows[idx[i]] where idx[i] >= 0 (rows of width floats); rows with idx[i] < 0 are left
+   as they are. The cache's row reads: one pass, rows prefetched ahead, no boolean-mask copies. */
+void hv_take_rows(const float *rows, int64_t width, const int64_t *idx, int64_t n, float *out)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n && idx[i + AHEAD] >= 0) prefetch_row(rows + idx[i + AHEAD] * width, width, 0);
+        if (idx[i] < 0) continue;
+        memcpy(out + i * width, rows + idx[i] * width, (size_t)width * 4);
+    }
+}
+
+/* rows[idx[i]] = src[i] where idx[i] >= 0: the cache's row writes, the same way. */
+void hv_put_rows(float *rows, int64_t width, const int64_t *idx, int64_t n, const float *src)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n && idx[i + AHEAD] >= 0) prefetch_row(rows + idx[i + AHEAD] * width, width, 1);
+        if (idx[i] < 0) continue;
+        memcpy(rows + idx[i] * width, src + i * width, (size_t)width * 4);
+    }
+}

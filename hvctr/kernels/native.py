@@ -75,7 +75,7 @@ def library_path() -> Path | None:
 def _declare(lib: ctypes.CDLL) -> None:
     """ctypes signatures of hv_kernels.c (tests/unit/test_native_build.py checks them against its
     prototypes)."""
-    i64, ptr, f32, f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
+    i64, u64, ptr, f32, f64 = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
     sigs = {
         "hv_source_sha256": ([], ctypes.c_char_p),
         "hv_row_layout": ([i64, ptr], None),
@@ -87,6 +87,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "hv_unique_u64": ([ptr, i64, ptr, i64, ptr, ptr, ptr], i64),
         "hv_pack_rows": ([ptr, ptr, i64, ptr, i64, i64, ptr], None),
         "hv_merge_messages": ([ptr, i64, i64, i64, ptr, i64, ctypes.c_int32, ptr, ptr, ptr], i64),
+        "hv_probe_find": ([ptr, i64, ptr, i64, u64, i64, ptr], None),
+        "hv_probe_claim": ([ptr, i64, ptr, ptr, i64, u64, i64, ptr], i64),
+        "hv_take_rows": ([ptr, i64, ptr, i64, ptr], None),
+        "hv_put_rows": ([ptr, i64, ptr, i64, ptr], None),
     }
     for name, (argtypes, restype) in sigs.items():
         f = getattr(lib, name)

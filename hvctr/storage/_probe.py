@@ -12,6 +12,12 @@ Callers say how slots read (``slots`` is [m] or [m, window]):
   (tombstones) show a key no real key equals, and whether each slot was never used (a
   lookup stops there: the key is absent).
 - ``free(slots) -> bool``: whether a slot may take a new key (empty or dead).
+
+Where the C kernels are loaded, tables of 16-byte records {key, value} (the cache's and the
+shard's) probe in C instead: ``find_values`` and ``claim_slots``, one pass in batch order
+(hvctr/kernels/hv_kernels.c, hv_probe_find and hv_probe_claim). They place a key where the
+numpy ``claim`` may place it one slot further on (it resolves a batch's collisions step by
+step), but every placement is a valid probe run: a lookup finds the same value either way.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+
+from hvctr.kernels import native
 
 Load = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 _FLAT_STEPS = 4
@@ -95,3 +103,38 @@ def claim(home: np.ndarray, nslots: int, free: Callable[[np.ndarray], np.ndarray
         cur[move] = (cur[move] + width) % nslots
         step += 1
     return out
+
+
+def native_table(table: np.ndarray):
+    """The C kernels, where they are loaded and ``table`` is a contiguous array of 16-byte
+    {key, value} records they can probe in place; else None (the numpy path runs)."""
+    lib = native.lib()
+    if lib is None or table.dtype.itemsize != 16 or not table.flags.c_contiguous:
+        return None
+    return lib
+
+
+def find_values(lib, table: np.ndarray, keys: np.ndarray, salt: np.uint64, empty_by_key: bool) -> np.ndarray:
+    """The value stored with each key, or -1 where it is absent (int64 [n]): the C probe."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    out = np.empty(keys.shape[0], dtype=np.int64)
+    if keys.shape[0]:
+        lib.hv_probe_find(table.ctypes.data, table.shape[0], keys.ctypes.data, keys.shape[0], int(salt),
+                          int(empty_by_key), out.ctypes.data)
+    return out
+
+
+def claim_slots(lib, table: np.ndarray, keys: np.ndarray, values: np.ndarray, salt: np.uint64,
+                empty_by_key: bool) -> tuple[np.ndarray, int]:
+    """Stores keys -> values (absent, unique) in the first free slot from each home, in batch
+    order; returns (each key's slot, how many dead slots were reused): the C claim."""
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    values = np.ascontiguousarray(values, dtype=np.int64)
+    slots = np.empty(keys.shape[0], dtype=np.int64)
+    if keys.shape[0] == 0:
+        return slots, 0
+    reused = lib.hv_probe_claim(table.ctypes.data, table.shape[0], keys.ctypes.data, values.ctypes.data,
+                                keys.shape[0], int(salt), int(empty_by_key), slots.ctypes.data)
+    if reused < 0:
+        raise AssertionError(f"probing table has no free slot for key {-1 - reused}")  # callers bound the load
+    return slots, int(reused)

@@ -22,6 +22,7 @@ import numpy as np
 
 from hvctr.config import CachePolicy
 from hvctr.formats import EMPTY_KEY, mix64
+from hvctr.kernels import native
 from hvctr.storage import _probe
 
 _HASH_SALT = np.uint64(0x8CB92BA72F3D8DD7)
@@ -100,8 +101,11 @@ class RowCache:
     def lookup(self, keys: np.ndarray, mode: str = "access") -> np.ndarray:
         """Entry of each key (int64, -1 if absent). Starts a new operation unless mode is peek."""
         n = keys.shape[0]
+        lib = _probe.native_table(self.table)
         if self.capacity == 0 or n == 0:
             ent = np.full(n, -1, dtype=np.int64)
+        elif lib is not None:
+            ent = _probe.find_values(lib, self.table, keys, _HASH_SALT, empty_by_key=False)
         else:
             slots = _probe.find(keys, self._home(keys), self.nslots, self._load)
             ent = np.full(n, -1, dtype=np.int64)
@@ -132,6 +136,28 @@ class RowCache:
         self.rows[entries] = rows
         self.dirty[entries] = True
 
+    def take(self, ent: np.ndarray, out: np.ndarray) -> None:
+        """out[i] = rows[ent[i]] where ent[i] >= 0 (lookup's answer as it is: -1 rows are left)."""
+        lib = native.lib()
+        if lib is not None and out.flags.c_contiguous and out.dtype == np.float32 and out.shape[1] == self.width:
+            ent = np.ascontiguousarray(ent, dtype=np.int64)
+            lib.hv_take_rows(self.rows.ctypes.data, self.width, ent.ctypes.data, ent.shape[0], out.ctypes.data)
+            return
+        hit = ent >= 0
+        out[hit] = self.rows[ent[hit]]
+
+    def put(self, ent: np.ndarray, rows: np.ndarray) -> None:
+        """update() of the entries ent[i] >= 0 with rows[i] (the others are skipped), without
+        first copying the rows that hit."""
+        lib = native.lib()
+        hit = ent >= 0
+        if lib is not None and rows.flags.c_contiguous and rows.dtype == np.float32 and rows.shape[1] == self.width:
+            ent = np.ascontiguousarray(ent, dtype=np.int64)
+            lib.hv_put_rows(self.rows.ctypes.data, self.width, ent.ctypes.data, ent.shape[0], rows.ctypes.data)
+            self.dirty[ent[hit]] = True
+            return
+        self.update(ent[hit], rows[hit])
+
     def insert(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray,
                dirty: np.ndarray | bool) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Caches as many of ``keys`` (absent, unique) as room allows, in order.
@@ -156,6 +182,13 @@ class RowCache:
         return m, victims
 
     def _table_put(self, keys: np.ndarray, ent: np.ndarray) -> None:
+        lib = _probe.native_table(self.table)
+        if lib is not None:
+            slots, reused = _probe.claim_slots(lib, self.table, keys, ent, _HASH_SALT, empty_by_key=False)
+            self.n_dead -= reused
+            self.tslot[ent] = slots
+            return
+
         def free(slots: np.ndarray) -> np.ndarray:
             t = self.tab_ent[slots]
             return (t == _EMPTY) | (t == _DEAD)

@@ -15,7 +15,9 @@ Merge rules (DESIGN.md, "Sparse merge rule"), applied by each owner to the copie
 
 ``warm`` may run in a prefetch thread while the main thread runs other collectives: give it
 names no other collective uses. It routes keys and answers nothing (prefetch warms, it never
-answers), so the values a later ``pull`` returns do not depend on it.
+answers), so the values a later ``pull`` returns do not depend on it. It returns what this
+rank was asked as owner (``Asked``): a ``pull`` of the same keys given it sends no keys, only
+the rows back (one alltoall instead of two, off the critical path after a merge).
 
 Each operation takes a Routing (hvctr.storage.routing): the training window carries one,
 computed once in the prefetch thread, and warm, pull and push all send along it. Plain unique
@@ -28,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
@@ -112,6 +115,16 @@ def merge_messages(msg: torch.Tensor, splits: list[int], divide: bool) -> tuple[
     return uniq[:k], acc[:k], count[:k]
 
 
+@dataclass(frozen=True)
+class Asked:
+    """The keys other ranks asked this rank for as their owner, as an owner answers them: how
+    many came from each rank, the distinct keys (read once) and where each asked key is among
+    them (``uniq[inverse]`` is the keys as received)."""
+    received: list[int]
+    uniq: np.ndarray
+    inverse: np.ndarray
+
+
 class ShardedTable:
     """The distributed table seen from one rank: ``pull``, ``push``, ``warm``,
     ``push_gradients``, ``read_only``; timing and byte counters in ``stats()`` / ``last``."""
@@ -189,19 +202,25 @@ class ShardedTable:
 
     # --- operations --------------------------------------------------------------------
 
-    def pull(self, keys: Keys, name: str) -> torch.Tensor:
-        """Rows of the routed keys as float32 [U, width] on ``device``; owners create new rows."""
-        return self._answer(self._routed(keys), name, "pull", self.store.read)
+    def pull(self, keys: Keys, name: str, asked: Asked | None = None) -> torch.Tensor:
+        """Rows of the routed keys as float32 [U, width] on ``device``; owners create new rows.
+        ``asked``: what warm() of the same keys returned, on every rank (the keys are not sent
+        again), or None on every rank."""
+        return self._answer(self._routed(keys), name, "pull", self.store.read, asked)
 
     def read_only(self, keys: Keys, name: str) -> torch.Tensor:
         """Like pull, for evaluation: owners insert and count nothing (unseen keys: init rows)."""
         return self._answer(self._routed(keys), name, "read_only", self.store.read_only)
 
-    def _answer(self, r: Routing, name: str, op: str, read: Callable[[np.ndarray], np.ndarray]) -> torch.Tensor:
+    def _answer(self, r: Routing, name: str, op: str, read: Callable[[np.ndarray], np.ndarray],
+                asked: Asked | None = None) -> torch.Tensor:
         with self._call(op) as rec:
-            asked, received = self._send_keys(rec, r.keys_by_owner, r.splits, f"{name}.keys")
-            uniq, _, inv = unique_in_order(asked)  # ranks ask for the same keys: read each once
-            rows = read(uniq)[inv]
+            if asked is None:
+                asked = self._ask(rec, r, name)
+            elif len(asked.received) != self.comm.size:
+                raise ValueError(f"{name}: a request of {len(asked.received)} ranks, this table has {self.comm.size}")
+            rows = read(asked.uniq)[asked.inverse]
+            received = asked.received
             back, _ = self._alltoall(rec, torch.from_numpy(rows), received, f"{name}.rows")
             if r.in_order:  # a window's working set is laid out as the rows arrive
                 return self._to_device(back)
@@ -241,12 +260,20 @@ class ShardedTable:
             new = apply_fn(torch.from_numpy(rows), torch.from_numpy(acc))
             self.store.write(uniq, _host(new, rows.shape))
 
-    def warm(self, keys: Keys, name: str) -> None:
-        """Owners bring these keys' shard rows into their caches; nothing comes back."""
+    def _ask(self, rec: dict, r: Routing, name: str) -> Asked:
+        """Sends the keys to their owners; returns what this rank was asked as an owner."""
+        keys, received = self._send_keys(rec, r.keys_by_owner, r.splits, f"{name}.keys")
+        uniq, _, inv = unique_in_order(keys)  # ranks ask for the same keys: read each once
+        return Asked(received, uniq, inv)
+
+    def warm(self, keys: Keys, name: str) -> Asked:
+        """Owners bring these keys' shard rows into their caches; nothing comes back. Returns
+        what this rank was asked as an owner: pull(keys, asked=...) then sends no keys."""
         r = self._routed(keys)
         with self._call("warm") as rec:
-            asked, _ = self._send_keys(rec, r.keys_by_owner, r.splits, f"{name}.keys")
-            self.store.warm(unique_in_order(asked)[0])
+            asked = self._ask(rec, r, name)
+            self.store.warm(asked.uniq)
+        return asked
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -308,6 +308,9 @@ class Shard:
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Row position of each key in this shard, -1 where absent (int64 [n])."""
         keys = np.asarray(keys, dtype=np.uint64)
+        lib = _probe.native_table(self._index)
+        if lib is not None:
+            return _probe.find_values(lib, self._index, keys, self.slot_seed, empty_by_key=True)
         slots = self._find(keys)
         pos = np.full(keys.shape[0], -1, dtype=np.int64)
         hit = slots >= 0
@@ -330,6 +333,13 @@ class Shard:
                 f"and {n} new keys to add; raise storage.rows_per_rank (or drop rare keys with "
                 f"storage.admit_after / old ones with storage.ttl_passes)")
         pos = self.n_rows + np.arange(n, dtype=np.int64)
+        lib = _probe.native_table(self._index) if self.index_by_map else None
+        if lib is not None:  # entries stored through the map, in C
+            _probe.claim_slots(lib, self._index, keys, pos, self.slot_seed, empty_by_key=True)
+            self.bytes_written += n * INDEX_DTYPE.itemsize
+            self._write_meta(pos, keys)
+            self.n_rows += n
+            return pos
 
         def free(slots: np.ndarray) -> np.ndarray:
             return self._index_keys[slots] == EMPTY_KEY

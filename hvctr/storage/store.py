@@ -183,9 +183,8 @@ class EmbeddingStore:
         with self._lock, self._timed():
             ent = self.cache.lookup(keys, "access")
             out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
-            hit = ent >= 0
-            out[hit] = self.cache.rows[ent[hit]]
-            miss = np.flatnonzero(~hit)
+            self.cache.take(ent, out)
+            miss = np.flatnonzero(ent < 0)
             if miss.size:
                 out[miss] = self._read_misses(keys[miss], count)
             return out
@@ -248,9 +247,8 @@ class EmbeddingStore:
             raise ValueError(f"write: rows of shape {rows.shape} for {keys.shape[0]} keys of width {self.layout.width}")
         with self._lock, self._timed():
             ent = self.cache.lookup(keys, "pin")
-            hit = ent >= 0
-            self.cache.update(ent[hit], rows[hit])
-            miss = np.flatnonzero(~hit)
+            self.cache.put(ent, rows)
+            miss = np.flatnonzero(ent < 0)
             if miss.size:
                 self._write_misses(keys[miss], rows[miss])
 

@@ -11,9 +11,11 @@ Every rank produces the same sequence of windows, and so the same sequence of co
 
 Prefetch warms, it never answers: the thread reads the data, agrees on the length, computes the
 unique keys, routes them to their owners (once: the window carries the routing to its pull and
-push) and each batch's unique positions, and asks the owners to bring missing rows from SSD
-into the CPU cache. The rows themselves are pulled by the main thread after merge(t), so window
-t+1 sees the state after merge(t), and prefetch on or off gives bit-equal models.
+push) and each batch's unique positions, and sends the keys to their owners, which bring
+missing rows from SSD into the CPU cache and keep the request (the window carries it as
+``asked``: its pull sends no keys again). The rows themselves are read and sent by the main
+thread's pull after merge(t), so window t+1 sees the state after merge(t), and prefetch on or
+off gives bit-equal models.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ class WindowSource:
     def __init__(self, reader_for_epoch: Callable[[int], BatchReader], schedule: Schedule, comm,
                  warm: Callable[[object, str], None] | None, start: tuple[int, int, int],
                  prefetch: bool, timeout_s: float, route: Route | None = None) -> None:
-        """``warm(keys, name)`` takes a window's exchange_keys; ``route`` routes a window's
-        unique keys (None: windows carry no routing)."""
+        """``warm(keys, name)`` takes a window's exchange_keys and returns what the owners were
+        asked (kept as the window's ``asked``); ``route`` routes a window's unique keys (None:
+        windows carry no routing)."""
         self._reader_for_epoch = reader_for_epoch
         self._route = route
         self._schedule = schedule
@@ -107,7 +110,7 @@ class WindowSource:
                               self._route)
         self.read_seconds += time.perf_counter() - t0
         if self._warm is not None:
-            self._warm(window.exchange_keys, f"window{self._index}.warm")
+            window.asked = self._warm(window.exchange_keys, f"window{self._index}.warm")
         self._index += 1
         self._batch += n
         self._steps_done += n

@@ -206,7 +206,7 @@ class Trainer:
 
     def _train_window(self, w: Window) -> list[int]:
         with self.meter.phase("pull"):
-            rows = self.table.pull(w.exchange_keys, name=f"window{w.index}.pull")
+            rows = self.table.pull(w.exchange_keys, name=f"window{w.index}.pull", asked=w.asked)
         self._ws_rows = int(rows.shape[0])
         if self.cfg.merge.mode is MergeMode.SYNC:
             return self._sync_step(w, rows)

@@ -42,6 +42,9 @@ class Window:
     unique_keys: np.ndarray  # uint64 [U]: sorted; routed, grouped by owner (sorted within each)
     batch_unique: list[tuple[torch.Tensor, torch.Tensor]]  # per batch: batch_unique(positions[i])
     routing: Routing | None = None  # unique_keys routed to their owners (None: not routed)
+    # What the other ranks asked this rank (as owner) for in the window's warm, kept so that the
+    # pull does not send the keys again (hvctr.storage.exchange.Asked; None: no warm ran)
+    asked: object | None = None
 
     @property
     def num_batches(self) -> int:

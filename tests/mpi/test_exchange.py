@@ -90,13 +90,16 @@ def test_pulls_and_pushes_match_dense_reference(comm, shard_dir, dist, prefetch)
     layout, uni = RowLayout(DIM), _universe()
     ref = init_rows(uni, layout, cfg.init_scale, cfg.seed)
     windows = 8
+    asked = None
     for t in range(windows):
         mine = _window_idx(t, comm.rank, dist)
-        rows = table.pull(uni[mine], name=f"t.p{t}")
+        # with prefetch the keys went to their owners in the warm, before window t-1's push: the
+        # pull sends only rows, and they are the rows after that push
+        rows = table.pull(uni[mine], name=f"t.p{t}", asked=asked)
         assert rows.dtype == torch.float32 and rows.shape == (mine.size, layout.width)
         np.testing.assert_array_equal(rows.numpy(), ref[mine])
         if prefetch and t + 1 < windows:  # warm window t+1 before window t's push lands
-            table.warm(uni[_window_idx(t + 1, comm.rank, dist)], name=f"t.w{t + 1}")
+            asked = table.warm(uni[_window_idx(t + 1, comm.rank, dist)], name=f"t.w{t + 1}")
         table.push(uni[mine], rows + torch.from_numpy(_delta(t, comm.rank, mine.size, layout.width)), name=f"t.u{t}")
         contributions = []
         for r in range(comm.size):
@@ -134,6 +137,13 @@ def test_warm_then_pull_equals_cold_pull(comm, shard_dir):
     got_warm = warm_t.pull(nxt, name="h.a.final")
     got_cold = cold_t.pull(nxt, name="h.b.final")
     assert torch.equal(got_warm, got_cold)
+    # the request the warm kept answers the same pull without sending the keys again
+    asked = warm_t.warm(nxt, name="h.warm2")
+    got_asked = warm_t.pull(nxt, name="h.a.asked", asked=asked)
+    assert torch.equal(got_asked, got_cold)
+    remote_keys = int((owner_of(nxt, warm_t.bucket_owner) != comm.rank).sum())
+    assert warm_t.last["op"] == cold_t.last["op"] == "pull"
+    assert cold_t.last["bytes_sent"] - warm_t.last["bytes_sent"] == 8 * remote_keys  # rows only
     assert warm_t.store.stats()["cache_hits"] - hits_before > 0
     warm_t.store.close()
     cold_t.store.close()

@@ -1,9 +1,12 @@
 """The CPU row cache: budget, lookups under churn, dirty victims, pinning, the two policies."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
 from hvctr.config import CachePolicy
+from hvctr.kernels import native
 from hvctr.storage.cache import ENTRY_OVERHEAD_BYTES, RowCache, entries_for_budget
 
 W = 8
@@ -20,13 +23,25 @@ def test_arrays_fit_the_byte_budget(budget):
     assert c.capacity == entries_for_budget(W, budget) == budget // (4 * W + ENTRY_OVERHEAD_BYTES)
 
 
-def test_lookups_match_a_dict_under_insert_and_evict_churn():
+def _probing(path):
+    """The C probe and row copies (hv_probe_find, hv_probe_claim, hv_take_rows, hv_put_rows) or numpy's."""
+    return native.disabled() if path == "numpy" else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("path", ["native", "numpy"])
+def test_lookups_match_a_dict_under_insert_and_evict_churn(path):
     # Many evictions leave tombstones and force table rebuilds; lookups must stay exact.
-    c = RowCache(W, 300 * (4 * W + ENTRY_OVERHEAD_BYTES), CachePolicy.LRU)
-    rng = np.random.default_rng(1)
+    with _probing(path):
+        _churn()
+
+
+def _churn(steps=300, cache=None, seed=1, model=None):
+    """Random lookups and inserts checked against a dict; returns the cache and the dict."""
+    c = cache or RowCache(W, 300 * (4 * W + ENTRY_OVERHEAD_BYTES), CachePolicy.LRU)
+    rng = np.random.default_rng(seed)
     universe = _keys(5000)
-    model = {}  # key -> row value marker, for keys the cache holds
-    for step in range(300):
+    model = {} if model is None else model  # key -> row value marker, for keys the cache holds
+    for step in range(steps):
         batch = np.unique(rng.choice(universe, size=rng.integers(1, 120)))
         ent = c.lookup(batch)
         present = ent >= 0
@@ -44,6 +59,41 @@ def test_lookups_match_a_dict_under_insert_and_evict_churn():
         model.update(zip(miss.tolist(), vals.tolist()))
         assert set(model) == held and len(held) <= c.capacity
     assert c.evictions > 0
+    return c, model
+
+
+def test_the_c_and_numpy_probes_read_each_others_tables():
+    # A table filled (with tombstones) by one path answers the other path's lookups, and the rows
+    # come back the same through take(); inserts by the C path after numpy's stay findable.
+    c = RowCache(W, 300 * (4 * W + ENTRY_OVERHEAD_BYTES), CachePolicy.LRU)
+    with native.disabled():
+        _, model = _churn(120, c)
+    _churn(120, c, seed=2, model=model)
+    probe = np.concatenate([_keys(3000, seed=7), c.keys[c.keys != np.iinfo(np.uint64).max]])
+    c_ent = c.lookup(probe, "peek")
+    with native.disabled():
+        np_ent = c.lookup(probe, "peek")
+        np_rows = np.zeros((probe.size, W), np.float32)
+        c.take(np_ent, np_rows)
+    np.testing.assert_array_equal(c_ent, np_ent)
+    assert (c_ent >= 0).sum() == c.size
+    rows = np.zeros((probe.size, W), np.float32)
+    c.take(c_ent, rows)
+    np.testing.assert_array_equal(rows, np_rows)
+
+
+@pytest.mark.parametrize("path", ["native", "numpy"])
+def test_put_writes_the_hits_and_skips_the_misses(path):
+    c = RowCache(W, 50 * (4 * W + ENTRY_OVERHEAD_BYTES))
+    keys = _keys(20)
+    c.insert(keys, np.zeros((20, W), np.float32), np.arange(20), dirty=False)
+    ent = c.lookup(np.concatenate([keys[:5], _keys(3, seed=9)]), "pin")
+    assert (ent[:5] >= 0).all() and (ent[5:] < 0).all()
+    new = np.arange(8 * W, dtype=np.float32).reshape(8, W)
+    with _probing(path):
+        c.put(ent, new)
+    np.testing.assert_array_equal(c.rows[ent[:5]], new[:5])
+    assert c.dirty[ent[:5]].all() and c.dirty.sum() == 5
 
 
 def test_dirty_victims_carry_their_latest_rows_and_pins_hold():

@@ -1,5 +1,6 @@
 """The HDF5 shard: round trips, reopening from a new process, h5py-only reading, full shard."""
 
+import contextlib
 import os
 import subprocess
 import textwrap
@@ -10,6 +11,7 @@ import pytest
 
 from hvctr.formats import EMPTY_KEY, default_bucket_owner, mix64
 from hvctr.formats import RowLayout
+from hvctr.kernels import native
 from hvctr.storage import shard as shard_mod
 from hvctr.storage.shard import BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullError, file_system_type, pwrite_runs
 from tests.conftest import VENV_PY, REPO
@@ -66,13 +68,28 @@ def test_index_entries_reach_the_file_by_map_or_by_pwrite(tmp_path, monkeypatch,
     assert Shard.open(path, writable=False).lookup(keys).tolist() == pos.tolist()
 
 
-def test_probing_crosses_index_blocks_at_high_load(tmp_path):
+@pytest.mark.parametrize("inserts,lookups", [("native", "native"), ("numpy", "numpy"), ("numpy", "native"),
+                                              ("native", "numpy"), ("mixed", "native")])
+def test_probing_crosses_index_blocks_at_high_load(tmp_path, inserts, lookups):
     # 95% load in one small index: long probe runs wrap across 4 KiB blocks and the table end.
+    # The C probe (hv_probe_find, hv_probe_claim) and numpy's read each other's indexes.
+    def probing(path, i=0):
+        numpy = path == "numpy" or (path == "mixed" and i % 2)
+        return native.disabled() if numpy else contextlib.nullcontext()
+
     shard = _create(tmp_path / "s.h5", capacity=2 * SLOTS_PER_BLOCK, load=0.95)
     keys = _keys(2 * SLOTS_PER_BLOCK)
-    pos = np.concatenate([shard.insert(keys[i:i + 100]) for i in range(0, keys.size, 100)])
+    pos = []
+    for i in range(0, keys.size, 100):
+        with probing(inserts, i // 100):
+            pos.append(shard.insert(keys[i:i + 100]))
+    pos = np.concatenate(pos)
     assert shard.num_slots == 3 * SLOTS_PER_BLOCK
-    np.testing.assert_array_equal(shard.lookup(keys), pos)
+    absent = _keys(300, seed=5)
+    absent = absent[~np.isin(absent, keys)]
+    with probing(lookups):
+        np.testing.assert_array_equal(shard.lookup(keys), pos)
+        assert (shard.lookup(absent) == -1).all()
     shard.close()
 
 
