@@ -377,12 +377,17 @@ class Shard:
         pass) and generation (default: the current checkpoint generation)."""
         self._require_writable()
         pos = np.asarray(pos, dtype=np.int64)
-        order = np.argsort(pos, kind="stable")
-        sp = pos[order]
-        rows = np.ascontiguousarray(np.asarray(rows, dtype=np.float32)[order])
+        if pos.size < 2 or bool((pos[1:] > pos[:-1]).all()):  # in file order already (a flush): no copies
+            sp, keys = pos, np.asarray(keys, dtype=np.uint64)
+            rows = np.ascontiguousarray(rows, dtype=np.float32)
+        else:
+            order = np.argsort(pos, kind="stable")
+            sp = pos[order]
+            rows = np.ascontiguousarray(np.asarray(rows, dtype=np.float32)[order])
+            keys = np.asarray(keys, dtype=np.uint64)[order]
+            last_seen, generation = _pick(last_seen, order), _pick(generation, order)
         self.bytes_written += pwrite_runs(self._fd, self._off["rows"], self.layout.row_bytes, sp, rows, self._rows)
-        self._write_meta(sp, np.asarray(keys, dtype=np.uint64)[order], _pick(last_seen, order),
-                         _pick(generation, order))
+        self._write_meta(sp, keys, last_seen, generation)
 
     def _write_meta(self, pos: np.ndarray, keys: np.ndarray, last_seen: np.ndarray | int | None = None,
                     generation: np.ndarray | int | None = None) -> None:

@@ -31,6 +31,7 @@ from hvctr.formats import RowLayout, default_row, init_rows
 from hvctr.storage.shard import Shard
 
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
+_FLUSH_CHUNK_BYTES = 64 << 20  # rows written per step of flush()
 _CLEAN_GENERATION = -1  # row_meta generation of bulk-loaded rows: in no checkpoint delta
 
 # HVCTR_DEBUG_CHECKS=1 (read at import; tests may set the attribute): the store checks that the
@@ -325,8 +326,17 @@ class EmbeddingStore:
         with self._lock, self._timed():
             d = self.cache.dirty_entries()
             if d.size:
-                self._write_shard(self.cache.pos[d], self.cache.keys[d], self.cache.rows[d])
-                self.cache.mark_clean(d)
+                # in file order, a bounded chunk of rows at a time: a cache of many GiB flushes
+                # without a copy of all its dirty rows beside it
+                d = d[np.argsort(self.cache.pos[d], kind="stable")]
+                chunk = max(_FLUSH_CHUNK_BYTES // self.layout.row_bytes, 1)
+                rows = np.empty((min(chunk, d.size), self.layout.width), dtype=np.float32)
+                for start in range(0, d.size, chunk):
+                    ent = d[start:start + chunk]
+                    part = rows[:ent.size]
+                    self.cache.take(ent, part)
+                    self._write_shard(self.cache.pos[ent], self.cache.keys[ent], part)
+                    self.cache.mark_clean(ent)
                 self.counters["writeback_rows"] += d.size
             self.shard.save_state(clean=False)
 
