@@ -283,3 +283,28 @@ void hv_put_rows(float *rows, int64_t width, const int64_t *idx, int64_t n, cons
         memcpy(rows + idx[i] * width, src + i * width, (size_t)width * 4);
     }
 }
+
+/* The embeddings and first-order weights of a batch in one pass over its rows: emb[i] =
+   rows[pos[i], 0:dim] and w1[i] = rows[pos[i], dim] (two hv_gather_rows calls read each row
+   twice, the second time mostly from memory again). */
+void hv_gather_split(const float *rows, int64_t width, const int64_t *pos, int64_t n, int64_t dim,
+                     float *emb, float *w1)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n) prefetch_row(rows + pos[i + AHEAD] * width, dim + 1, 0);
+        const float *r = rows + pos[i] * width;
+        memcpy(emb + i * dim, r, (size_t)dim * 4);
+        w1[i] = r[dim];
+    }
+}
+
+/* out[inverse[i] * ld + j] += grad[i * c + j] for i < n, j < c, in ascending i: hv_sum_rows
+   into columns of a wider array (the [n, D+1] row gradient), with no buffer to copy from. */
+void hv_sum_rows_ld(const int64_t *inverse, int64_t n, const float *grad, int64_t c, float *out, int64_t ld)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        float *o = out + inverse[i] * ld;
+        const float *g = grad + i * c;
+        for (int64_t j = 0; j < c; ++j) o[j] += g[j];
+    }
+}

@@ -171,8 +171,7 @@ def gather_embeddings(rows: Tensor, pos: Tensor, dim: int) -> tuple[Tensor, Tens
         emb = torch.from_numpy(_aligned_empty((*pos.shape, dim)))
         w1 = torch.from_numpy(_aligned_empty(tuple(pos.shape)))
         lib, width = _native.lib(), rows.shape[1]
-        lib.hv_gather_rows(rows.data_ptr(), width, pos.data_ptr(), pos.numel(), dim, emb.data_ptr())
-        lib.hv_gather_rows(rows.data_ptr() + 4 * dim, width, pos.data_ptr(), pos.numel(), 1, w1.data_ptr())
+        lib.hv_gather_split(rows.data_ptr(), width, pos.data_ptr(), pos.numel(), dim, emb.data_ptr(), w1.data_ptr())
     else:
         emb = F.embedding(pos, rows[:, :dim])
         w1 = F.embedding(pos, rows[:, dim:dim + 1]).squeeze(-1)
@@ -197,13 +196,9 @@ def sum_embedding_grads(pos: Tensor, emb_grad: Tensor, w1_grad: Tensor | None,
     if _native_ok(ge, inv) and ge.dtype == torch.float32 and (gw is None or _native_ok(gw)):
         _check_index(inv, uniq.numel(), "sum_embedding_grads")
         lib = _native.lib()
-        summed = torch.zeros(uniq.numel(), d, dtype=ge.dtype)
-        lib.hv_sum_rows(inv.data_ptr(), inv.numel(), ge.data_ptr(), d, summed.data_ptr())
-        out[:, :d] = summed
+        lib.hv_sum_rows_ld(inv.data_ptr(), inv.numel(), ge.data_ptr(), d, out.data_ptr(), d + 1)
         if gw is not None:
-            summed_w1 = torch.zeros(uniq.numel(), 1, dtype=gw.dtype)
-            lib.hv_sum_rows(inv.data_ptr(), inv.numel(), gw.data_ptr(), 1, summed_w1.data_ptr())
-            out[:, d:] = summed_w1
+            lib.hv_sum_rows_ld(inv.data_ptr(), inv.numel(), gw.data_ptr(), 1, out.data_ptr() + 4 * d, d + 1)
     else:
         out[:, :d].index_put_((inv,), ge, accumulate=True)
         if gw is not None:
