@@ -65,7 +65,7 @@ def predict(job: Job, node, rates: RatesFile, curve: KeyCurve, steps: int, last_
     sparse = sum(sum(sparse_bytes_per_window(curve(n * B), W, job.dim, job.mode, job.prefetch).values())
                  for n in wins)
     payload = dense_payload_bytes(dense_params(job.model, job.dim), job.mode, job.states, job.compression)
-    dense = payload * (steps if job.mode is MergeMode.SYNC else len(wins))
+    dense = payload * (steps if job.mode is MergeMode.SYNC else sum(job.dense_merges(n) for n in wins))
     entry = rates.for_ranks(job.ranks_per_node)
     f = plan(job, node, entry, curve).figures
     step_s = f["step_s"]

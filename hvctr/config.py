@@ -121,6 +121,10 @@ class StorageConfig:
 class MergeConfig:
     mode: MergeMode = MergeMode.KSTEP  # kstep: the paper's k-step model merging; sync: the baseline
     every_k_steps: int = 4  # k: local steps between merges (the window length)
+    # kstep: the dense model also merges every this many local steps inside a window, the rows
+    # still once a window; 0: at the window's end only; -1 (auto): 4 from 32 ranks on, with the
+    # moves in fp16 (merge.compression), and 0 below (hvctr.train.merger.resolve_merge)
+    dense_every_steps: int = -1
     k_warmup_steps: int = 0  # kstep: windows grow from 1 step to k over this many steps (0: k from the start)
     # dense Adam states averaged with the parameters; params: same AUC as params+m+v in the k sweep
     # (BENCHMARKS.md, Training), a third of the bytes, better calibration; PaddleBox merges params too
@@ -409,6 +413,8 @@ def _validate(cfg: Config) -> None:
     _require(s.ttl_passes >= 0, "storage.ttl_passes", f"must be >= 0, got {s.ttl_passes}")
     _require(s.admit_sketch_slots >= 1024, "storage.admit_sketch_slots", f"must be >= 1024, got {s.admit_sketch_slots}")
     _require(m.every_k_steps >= 1, "merge.every_k_steps", f"must be >= 1, got {m.every_k_steps}")
+    _require(m.dense_every_steps >= -1, "merge.dense_every_steps",
+             f"must be -1 (auto), 0 (at the window's end) or a number of steps, got {m.dense_every_steps}")
     _require(m.lr_warmup_steps >= 0, "merge.lr_warmup_steps", f"must be >= 0, got {m.lr_warmup_steps}")
     _require(m.k_warmup_steps >= 0, "merge.k_warmup_steps", f"must be >= 0, got {m.k_warmup_steps}")
     _require(m.outer_lr > 0, "merge.outer_lr", f"must be > 0, got {m.outer_lr}")

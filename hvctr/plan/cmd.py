@@ -22,6 +22,7 @@ from hvctr.config import Compression, Config, MergeMode, load_config
 from hvctr.plan.keyfreq import KeyCurve, data_curve, zipf_curve
 from hvctr.plan.model import NO_FIT, Job, NodeInfo, Plan, plan
 from hvctr.plan.rates import load_rates
+from hvctr.train.lr import resolve_merge
 from hvctr.topo.hwmap import HardwareMap, format_cpulist, load_map
 from hvctr.topo.plan import plan_node
 
@@ -119,12 +120,13 @@ def node_info(hwmap: HardwareMap, ranks_per_node: int, threads: int = 0, ssd_byt
 
 
 def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows: int) -> Job:
-    s, m = cfg.storage, cfg.merge
+    s, m = cfg.storage, resolve_merge(cfg.merge, nodes * ranks_per_node)
     return Job(nodes=nodes, ranks_per_node=ranks_per_node, keys=keys, dim=s.dim,
                batch_size_per_rank=(cfg.data.global_batch_size // (nodes * ranks_per_node) or 1
                                     if cfg.data.global_batch_size else cfg.data.batch_size_per_rank),
                every_k_steps=m.every_k_steps, mode=m.mode,
-               states=m.states, compression=m.compression, cpu_cache_bytes=s.cpu_cache_bytes,
+               states=m.states, compression=m.compression, dense_every_steps=m.dense_every_steps,
+               cpu_cache_bytes=s.cpu_cache_bytes,
                max_load_factor=s.max_load_factor, model=cfg.model, pass_rows=pass_rows, prefetch=cfg.data.prefetch)
 
 

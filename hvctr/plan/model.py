@@ -68,6 +68,7 @@ class Job:
     mode: MergeMode = MergeMode.KSTEP
     states: MergeStates = MergeStates.PARAMS_M_V
     compression: Compression = Compression.NONE
+    dense_every_steps: int = 0  # merge.dense_every_steps: dense merges inside a window too
     cpu_cache_bytes: int = 256 << 20
     max_load_factor: float = 0.8
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -81,6 +82,14 @@ class Job:
     @property
     def k(self) -> int:
         return 1 if self.mode is MergeMode.SYNC else self.every_k_steps
+
+    def dense_merges(self, steps: int) -> int:
+        """Dense reductions in a window of ``steps`` steps: one at its end, and one every
+        merge.dense_every_steps steps before it (kstep)."""
+        e = self.dense_every_steps
+        if self.mode is MergeMode.SYNC or e <= 0:
+            return 1
+        return (steps - 1) // e + 1
 
 
 @dataclass(frozen=True)
@@ -227,13 +236,14 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     step = (cpu_compute * (flops / (r.compute_flops_per_s * dense_threads) + P / r.dense_adam_params_per_s
                            + B * F / r.sparse_keys_per_s + u_b / r.sparse_rows_per_s + r.step_overhead_s))
     compute = k * step
-    payload = dense_payload_bytes(P, job.mode, job.states, job.compression)
+    one = dense_payload_bytes(P, job.mode, job.states, job.compression)
+    dense_merge = job.dense_merges(k) * c.allreduce(one)  # each a grouped allreduce of its own
     if job.mode is MergeMode.SYNC:
         grad_bytes = KEY_BYTES + 4 * (D + 1)
-        merge = (c.allreduce(payload) + 2 * c.unique(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
+        merge = (dense_merge + 2 * c.unique(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
                  + c.cpu * u_o * (1 / r.cache_rows_per_s + 1 / r.sparse_rows_per_s + 1 / r.cache_write_rows_per_s))
     else:
-        merge = (c.allreduce(payload) + 2 * c.unique(u) + c.copy(u * (row + KEY_BYTES))
+        merge = (dense_merge + 2 * c.unique(u) + c.copy(u * (row + KEY_BYTES))
                  + c.alltoall(u * f * (row + KEY_BYTES)) + c.cpu * u_o / r.cache_write_rows_per_s + dev)
     return {"prep": prep, "pull": pull, "compute": compute, "merge": merge, "shard_read": shard_read}
 
@@ -297,7 +307,7 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     if job.prefetch and not spare_core:
         notes.append("no spare core per rank for the prefetch thread: its time adds to the step")
     sparse = sparse_bytes_per_window(u if job.mode is MergeMode.KSTEP else u_b, W, D, job.mode, job.prefetch)
-    payload = dense_payload_bytes(P, job.mode, job.states, job.compression)
+    payload = dense_payload_bytes(P, job.mode, job.states, job.compression) * job.dense_merges(k)
     dev_bytes = _device_bytes(job, u, P)
     figures = {
         "world_size": W, "dense_params": P, "row_bytes": layout.row_bytes,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hvctr.train.checkpoint import CheckpointManager, TrainState, checkpoint_path, locate
-from hvctr.config import Config, MergeMode
+from hvctr.config import Compression, Config, MergeMode
 from hvctr.dist.world import AgreedError
 from hvctr.formats import default_bucket_owner
 from hvctr.dist.log import get_logger
@@ -37,7 +37,7 @@ from hvctr.optim import (adam_step_count, apply_adam_to_rows, gather_embeddings,
                          sparse_adam_step, sum_embedding_grads)
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.train.feed import TrainData
-from hvctr.train.lr import LearningRates, batch_growth
+from hvctr.train.lr import resolve_merge, LearningRates, batch_growth
 from hvctr.train.merger import KStepMerger, SyncGradients
 from hvctr.train.meter import Meter
 from hvctr.train.prefetch import Schedule, WindowSource
@@ -65,6 +65,7 @@ class Trainer:
         t = cfg.train
         # merge.lr_scaling, merge.adam_scaling: the rates of each step and Adam's constants at W ranks
         self.lr = LearningRates(t, cfg.merge, batch_growth(cfg.data, comm.size))
+        self.merge_cfg = resolve_merge(cfg.merge, comm.size)  # merge.dense_every_steps = -1 at this world size
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=t.dense_lr, betas=(self.lr.beta1, self.lr.beta2),
                                           eps=self.lr.eps)
         self.data = TrainData(cfg.data, comm, run_dir=run_dir)
@@ -115,7 +116,7 @@ class Trainer:
         params = list(self.model.parameters())
         hier = self.cfg.topology.hierarchical_allreduce
         kind = SyncGradients if self.cfg.merge.mode is MergeMode.SYNC else KStepMerger
-        reducer = kind(self.comm, self.cfg.merge, params, hier)
+        reducer = kind(self.comm, self.merge_cfg, params, hier)
         nodes = f"{self.comm.num_nodes} node(s) {self.comm.node_ranks}"
         if reducer.hierarchical:
             log.info(f"dense merge: hierarchical over {nodes}: inside each node, then node leaders only")
@@ -144,6 +145,9 @@ class Trainer:
         log.info(f"training: {total} steps per rank, {schedule.batches_per_epoch} batches per epoch "
                  f"({self.data.dropped_batches} remainder batches dropped on this rank), "
                  f"merge {self.cfg.merge.mode.value} k={schedule.every_k_steps}"
+                 + (f", dense every {self.merge_cfg.dense_every_steps} steps"
+                    + (" (fp16 moves)" if self.merge_cfg.compression is Compression.FP16 else "")
+                    if self.merge_cfg.dense_every_steps else "")
                  + (f" (from 1 over the first {schedule.k_warmup_steps} steps)" if schedule.k_warmup_steps else "")
                  + f"; {self.lr.describe()}")
         every = self.cfg.checkpoint.every_windows
@@ -210,9 +214,13 @@ class Trainer:
         self._ws_rows = int(rows.shape[0])
         if self.cfg.merge.mode is MergeMode.SYNC:
             return self._sync_step(w, rows)
-        with self.meter.phase("compute"):
-            for i in range(w.num_batches):
+        every = self.merge_cfg.dense_every_steps
+        for i in range(w.num_batches):
+            with self.meter.phase("compute"):
                 self._local_step(w, i, rows)
+            if every and (i + 1) % every == 0 and i + 1 < w.num_batches:
+                with self.meter.phase("merge"):  # the dense model alone, inside the window
+                    self.reducer.merge(self._moments(), [0, 0], name=f"window{w.index}.dense{i + 1}")
         with self.meter.phase("merge"):
             t0 = time.perf_counter()
             moments = self._moments()

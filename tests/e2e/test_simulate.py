@@ -86,11 +86,13 @@ def evaluation(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())["eval"]
 
 
-@pytest.mark.parametrize("np_,mode", [(2, "kstep"), (3, "kstep"), (3, "sync")])
+@pytest.mark.parametrize("np_,mode", [(2, "kstep"), (3, "kstep"), (3, "sync"), (3, "kstep-dense2")])
 def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
-    flags = [*SAME, f"--merge.mode={mode}", "--merge.every_k_steps=4"]
+    flags = [*SAME, f"--merge.mode={mode.split('-')[0]}", "--merge.every_k_steps=4"]
     if mode == "sync":
         flags[1] = "--train.max_steps=12"
+    if mode == "kstep-dense2":  # the dense model also merges inside each window, its moves in fp16
+        flags += ["--merge.dense_every_steps=2", "--merge.compression=fp16"]
     train(np_, tmp_path / "mpi", dataset, *flags)
     r = simulate(np_, tmp_path / "sim", dataset, *flags)
     compare(tmp_path / "mpi", tmp_path / "sim")
@@ -101,6 +103,13 @@ def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
     summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert summary["simulate"]["ranks"] == np_ and summary["steps"] == int(flags[1].split("=")[1])
     assert sorted(p.name for p in (tmp_path / "sim" / "logs").iterdir()) == [f"rank-{i:05d}.log" for i in range(np_)]
+    if mode == "kstep-dense2":  # two dense merges a window of 4, each the parameters' moves in fp16 and 2 flags
+        dense = every_rank_dense(tmp_path / "mpi")
+        first = min(f for f, _ in dense)
+        params = sum(v.size for (f, k), v in dense.items() if f == first and k.startswith("param."))
+        windows = 24 // 4
+        for s in (summary, json.loads((tmp_path / "mpi" / "summary.json").read_text())):
+            assert s["dense_merge_calls"] == 2 * windows and s["dense_merge_bytes"] == 2 * windows * (2 * params + 8)
     if np_ == 3 and mode == "kstep":
         # the ascending-rank order differs from OpenMPI's ring: equal within the stated tolerance
         simulate(np_, tmp_path / "sim-rank", dataset, *flags, "--reduce-order=rank")

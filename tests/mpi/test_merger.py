@@ -37,6 +37,7 @@ def test_params_m_v_average_everything(comm):
 def test_fp16_never_touches_v(comm):
     p, m, v = _tensors(comm.rank)
     merger = KStepMerger(comm, MergeConfig(states=MergeStates.PARAMS_M_V, compression=Compression.FP16), p)
+    merger.start = [torch.zeros_like(t) for t in p]  # as mark_start() at an all-zero model
     merger.merge((m, v), [0, 0], name="t.merge.fp16")
     n = comm.size
     # v ~ 1e-10 is far below fp16's range: in float32 it survives, in fp16 it would be 0
@@ -85,3 +86,24 @@ def test_outer_step_defaults_are_plain_averaging_bit_for_bit(comm):
     outer.mark_start()
     outer.merge((m, v), [0, 0], name="t.merge.plain2")
     assert not outer.outer and all(torch.equal(x, y) for x, y in zip(p, q))
+
+
+def test_fp16_sends_moves_and_keeps_the_parameters_precision(comm):
+    # Parameters near 3 move by a few 1e-3 a window: float16 of the parameters would round
+    # them to 0.002 (fp16's spacing at 3); float16 of the moves keeps the average to ~1e-6.
+    p = [torch.full((5,), 3.123456), torch.linspace(-2.0, 2.0, 7)]
+    merger = KStepMerger(comm, MergeConfig(compression=Compression.FP16), p)
+    merger.mark_start()
+    start = [t.clone() for t in p]
+    for window in range(3):
+        moves = [torch.full_like(t, 1e-3 * (comm.rank + 1) * (window + 1)) for t in p]
+        for t, d in zip(p, moves):
+            t.add_(d)
+        merger.merge(([], []), [0, 0], name=f"t.merge.moves{window}")
+        mean_move = 1e-3 * (comm.size + 1) / 2 * (window + 1)
+        for t, s0 in zip(p, start):
+            s0.add_(mean_move)
+            assert torch.allclose(t, s0, rtol=0, atol=1e-5), (t, s0)  # fp16 of the params: up to 1e-3 off
+        # the next merge sends the move since this one (start follows the merged model)
+        assert all(torch.equal(a, b) for a, b in zip(merger.start, p))
+    assert merger.bytes_sent == 3 * (2 * (5 + 7) + 4 * 2)

@@ -74,3 +74,21 @@ def test_a_fixed_global_batch_is_dealt_over_the_ranks_and_grows_nothing():
     assert batch_growth(DataConfig(), 16) == 16 and batch_growth(DataConfig(global_batch_size=4096), 16) == 1
     fixed = LearningRates(TrainConfig(), MergeConfig(), batch_growth(DataConfig(global_batch_size=4096), 64))
     assert fixed.factor(0) == 1.0 and (fixed.beta1, fixed.beta2, fixed.eps) == (0.9, 0.999, 1e-8)
+
+
+def test_dense_merges_inside_the_window_from_32_ranks_on_by_default():
+    from hvctr.config import Compression, MergeConfig, MergeMode
+    from hvctr.train.lr import AUTO_DENSE_RANKS, resolve_merge
+
+    auto = MergeConfig(every_k_steps=8)
+    assert auto.dense_every_steps == -1
+    small = resolve_merge(auto, AUTO_DENSE_RANKS - 1)
+    assert small.dense_every_steps == 0 and small.compression is Compression.NONE
+    big = resolve_merge(auto, AUTO_DENSE_RANKS)
+    assert big.dense_every_steps == 4 and big.compression is Compression.FP16  # one fp32 merge's bytes per 8 steps
+    assert resolve_merge(MergeConfig(every_k_steps=4), 64).dense_every_steps == 0  # no window to split
+    assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).dense_every_steps == 0
+    assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).compression is Compression.NONE
+    chosen = MergeConfig(every_k_steps=8, dense_every_steps=0)
+    assert resolve_merge(chosen, 64) is chosen  # what the user sets is kept
+    assert resolve_merge(MergeConfig(every_k_steps=8, dense_every_steps=2), 2).dense_every_steps == 2

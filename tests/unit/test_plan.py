@@ -77,6 +77,7 @@ def test_dense_payload_is_what_the_k_step_merger_sends(states, compression):
     model = build_model(ModelConfig(hidden=(32, 16)), 8, seed=0)
     params = list(model.parameters())
     merger = KStepMerger(_OneRank(), MergeConfig(states=states, compression=compression), params)
+    merger.mark_start()
     moments = ([torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params])
     merger.merge(moments, [0, 0], name="m")
     P = dense_params(ModelConfig(hidden=(32, 16)), 8)
@@ -181,6 +182,10 @@ def test_sync_sends_gradients_every_step():
     assert f["push_bytes_per_step"] == pytest.approx(curve(4096) / 2 * (8 + 4 * 17))
     k8 = plan(_job(ranks_per_node=2), NODE, RATES, curve).figures
     assert k8["dense_payload_bytes_per_step"] == pytest.approx((3 * P * 4 + 8) / 8)
+    # merge.dense_every_steps = 4: two dense merges a window of 8 (one inside, one at its end)
+    inner = plan(_job(ranks_per_node=2, dense_every_steps=4), NODE, RATES, curve).figures
+    assert inner["dense_payload_bytes_per_step"] == pytest.approx(2 * (3 * P * 4 + 8) / 8)
+    assert _job(dense_every_steps=3).dense_merges(8) == 3 and _job(dense_every_steps=8).dense_merges(8) == 1
 
 
 def test_fits_say_what_does_not_fit_where():

@@ -12,7 +12,7 @@ import json
 import subprocess
 import textwrap
 
-from tests.conftest import REPO, VENV_PY
+from tests.conftest import VENV_PY
 
 BUDGET = 4 << 20
 # Stated overhead beyond the cache budget: one call's transients (keys, rows and their copies
@@ -77,7 +77,7 @@ CHILD = textwrap.dedent("""
 def test_shard_ten_times_the_cache_within_budget(tmp_path):
     n_rows = 400_000  # 112-byte rows: 45 MB of rows, 11x the 4 MiB budget (plus index and meta)
     out = subprocess.run([VENV_PY, "-c", CHILD, str(tmp_path / "big.h5"), str(BUDGET), str(n_rows)],
-                         capture_output=True, text=True, cwd=REPO, timeout=300)
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)  # the installed hvctr
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["bad"] == 0

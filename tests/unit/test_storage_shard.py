@@ -14,7 +14,7 @@ from hvctr.formats import RowLayout
 from hvctr.kernels import native
 from hvctr.storage import shard as shard_mod
 from hvctr.storage.shard import BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullError, file_system_type, pwrite_runs
-from tests.conftest import VENV_PY, REPO
+from tests.conftest import VENV_PY
 
 
 def _create(path, capacity=1000, dim=4, load=0.8, world_size=2, rank=1):
@@ -154,7 +154,8 @@ def test_reopened_by_a_new_process_and_read_by_h5py_alone(tmp_path):
             assert np.array_equal(f["row_meta"]["key"][:keys.size][[by_key[k] for k in keys.tolist()]], keys)
         print("ok")
     """)
-    out = subprocess.run([VENV_PY, "-c", child], capture_output=True, text=True, cwd=REPO, timeout=120)
+    # cwd outside the checkout: the child imports the installed hvctr (with its built kernels)
+    out = subprocess.run([VENV_PY, "-c", child], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     h5dump = subprocess.run(["h5dump", "-H", str(path)], capture_output=True, text=True, timeout=60)
     assert h5dump.returncode == 0, h5dump.stderr
