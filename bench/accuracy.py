@@ -97,7 +97,9 @@ def key_of(r: dict, rule: str) -> str:
 # Rule names used in BENCHMARKS.md and what they set (besides the mode); "defaults" is the config's.
 LEGEND = {
     "defaults": "the defaults: merge.lr_scaling = sqrt, merge.adam_scaling = sqrt (both the identity at a fixed "
-                "global batch, G=...: the global batch does not grow)",
+                "global batch, G=...: the global batch does not grow); merge.dense_every_steps = -1 (auto: from 32 "
+                "ranks on the dense model merges every 4 steps, its moves in fp16; at the window's end below). "
+                "Tables measured before that default say so",
     "outer-mom0.5": "the defaults with merge.outer_momentum = 0.5 (SlowMo's outer momentum on the averaged dense move)",
     "rates-x-sqrt(W)": "at a fixed global batch, both rates x sqrt(W) (Adam as configured; --data.batch_size_per_rank=G/W)",
     "scaled-by-W": "at a fixed global batch, the rates x sqrt(W) and Adam's memory / sqrt(W) all the same (what "
@@ -125,6 +127,16 @@ LEGEND = {
     "outer-lr2": "the defaults with merge.outer_lr = 2 (the averaged dense move doubled)",
     "mom0.5+kwarm122": "outer_momentum = 0.5 and k_warmup_steps = 122 together",
     "seed2": "the defaults with train.seed = 2 (another dense initialisation: a second sample of each gap)",
+    "window-end": "--merge.dense_every_steps=0: the dense model merges at the window's end only (the defaults "
+                  "below 32 ranks; at 32 and 64 what the defaults were before merge.dense_every_steps)",
+    "dense4-fp16": "--merge.dense_every_steps=4 --merge.compression=fp16: what the defaults resolve to from 32 "
+                   "ranks on (the dense model merged every 4 steps, its moves in fp16)",
+    "diag-dense-sync": "a diagnostic patch, not a config value: the dense gradients averaged every step (as sync), "
+                       "the rows merged every k steps (which part of the model the gap comes from)",
+    "vnoise": "an experimental patch, not kept: dense Adam's v during local steps minus the rank's gradient noise "
+              "x (1 - 1/W), the noise estimated from consecutive gradients",
+    "sparse-steps": "an experimental patch, not kept: an owner scales a row's mean move by the distinct steps one "
+                    "rank would have taken on it over the contributors' mean",
     "seed3": "the defaults with train.seed = 3",
     "seed2+outer-mom0.5": "seed 2 with merge.outer_momentum = 0.5 (its gap is to the defaults' W = 1, seed 0: "
                           "0.0001 above seed 2's)",
