@@ -131,6 +131,8 @@ LEGEND = {
                   "below 32 ranks; at 32 and 64 what the defaults were before merge.dense_every_steps)",
     "dense4-fp16": "--merge.dense_every_steps=4 --merge.compression=fp16: what the defaults resolve to from 32 "
                    "ranks on (the dense model merged every 4 steps, its moves in fp16)",
+    "dense2-fp16": "--merge.dense_every_steps=2 --merge.compression=fp16: the dense model merged every 2 steps "
+                   "(a quarter of sync's dense bytes, over the issue's 1/6)",
     "diag-dense-sync": "a diagnostic patch, not a config value: the dense gradients averaged every step (as sync), "
                        "the rows merged every k steps (which part of the model the gap comes from)",
     "vnoise": "an experimental patch, not kept: dense Adam's v during local steps minus the rank's gradient noise "
