@@ -129,7 +129,7 @@ class MergeConfig:
     # dense Adam states averaged with the parameters; params: same AUC as params+m+v in the k sweep
     # (BENCHMARKS.md, Training), a third of the bytes, better calibration; PaddleBox merges params too
     states: MergeStates = MergeStates.PARAMS
-    compression: Compression = Compression.NONE  # fp16 on the wire; never applied to Adam's v
+    compression: Compression = Compression.NONE  # fp16 on the wire (kstep: the moves since the last merge); never Adam's v
     # Accuracy at scale (docs/merging.md): W ranks each see 1/W of the data, so averaging
     # their models dilutes progress per sample unless the merge makes up for it.
     # sqrt: chosen by measurement (BENCHMARKS.md, Accuracy against ranks); none: the rates as given

@@ -169,6 +169,10 @@ def _write_runs(fd: int, base: int, item_bytes: int, view: memoryview, at: np.nd
         _pwrite_all(fd, view[s * item_bytes:(s + length) * item_bytes], base + p * item_bytes)
 
 
+def strictly_increasing(a: np.ndarray) -> bool:
+    return bool(np.all(a[1:] > a[:-1]))
+
+
 def _pick(value: np.ndarray | int | None, order: np.ndarray) -> np.ndarray | int | None:
     return value[order] if isinstance(value, np.ndarray) else value
 
@@ -377,7 +381,7 @@ class Shard:
         pass) and generation (default: the current checkpoint generation)."""
         self._require_writable()
         pos = np.asarray(pos, dtype=np.int64)
-        if pos.size < 2 or bool((pos[1:] > pos[:-1]).all()):  # in file order already (a flush): no copies
+        if strictly_increasing(pos):  # in file order already (a flush): no copies
             sp, keys = pos, np.asarray(keys, dtype=np.uint64)
             rows = np.ascontiguousarray(rows, dtype=np.float32)
         else:

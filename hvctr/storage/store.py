@@ -28,7 +28,7 @@ from hvctr.formats import default_bucket_owner, mix64, owner_of
 from hvctr.kernels import unique_in_order
 from hvctr.storage.cache import RowCache
 from hvctr.formats import RowLayout, default_row, init_rows
-from hvctr.storage.shard import Shard
+from hvctr.storage.shard import Shard, strictly_increasing
 
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
 _FLUSH_CHUNK_BYTES = 64 << 20  # rows written per step of flush()
@@ -56,16 +56,12 @@ def as_keys(keys: np.ndarray) -> np.ndarray:
     return keys
 
 
-def _strictly_increasing(a: np.ndarray) -> bool:
-    return bool(np.all(a[1:] > a[:-1]))
-
-
 def require_unique(keys: np.ndarray) -> np.ndarray:
     """``keys`` as a 1-D uint64 array; ValueError if a key occurs twice."""
     keys = as_keys(keys)
     # Sorted input (np.unique's, or torch.unique's int64 order) proves uniqueness in O(n);
     # other orders (the exchange's, first occurrence) take one hash pass.
-    if keys.size > 1 and not (_strictly_increasing(keys) or _strictly_increasing(keys.view(np.int64))):
+    if keys.size > 1 and not (strictly_increasing(keys) or strictly_increasing(keys.view(np.int64))):
         if unique_in_order(keys)[0].size != keys.size:
             raise ValueError("EmbeddingStore methods take unique keys; deduplicate first (np.unique)")
     return keys
