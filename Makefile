@@ -49,7 +49,7 @@ demo: setup
 	$(MPIRUN) -np 2 $(PY) -m mpi4py -m hvctr eval --run-dir $(DEMO_DIR)/run
 	$(PY) -m hvctr report --run-dir $(DEMO_DIR)/run
 
-# docs/configuration.md from the comments in hvctr/config.py (a unit test checks it is current).
+# docs/configuration.md from the comments in hvctr/config/__init__.py (a unit test checks it is current).
 docs:
 	$(PY) -m hvctr config --markdown > docs/configuration.md
 

@@ -20,7 +20,7 @@ POSITION = {
     "hvctr.cli": (2.5, 0), "hvctr.sim": (0.6, 0),
     "data_prep": (0, 1), "hvctr.train": (1.5, 1), "hvctr.offline": (2.5, 1), "hvctr.plan": (3.5, 1),
     "hvctr.topo": (4.5, 1), "bench": (6, 1),
-    "hvctr.models": (0.7, 2), "hvctr.optim": (2.0, 2), "hvctr.storage": (3.3, 2), "hvctr.dist": (4.8, 2),
+    "hvctr.models": (0.7, 2), "hvctr.optim": (2.0, 2), "hvctr.storage": (3.3, 2), "hvctr.distributed": (4.8, 2),
     "hvctr.kernels": (2.5, 3), "hvctr.config": (4.5, 3),
     "hvctr.formats": (2.5, 4),
 }
@@ -28,7 +28,7 @@ ROLE = {
     "hvctr.cli": "the hvctr command", "hvctr.sim": "W ranks in one process", "data_prep": "raw logs -> shards", "hvctr.train": "the window loop",
     "hvctr.offline": "export, score, reshard", "hvctr.plan": "sizes and times", "hvctr.topo": "hardware maps",
     "bench": "the workshop", "hvctr.models": "DNN, DeepFM, W&D", "hvctr.optim": "sparse + dense Adam",
-    "hvctr.storage": "SSD / cache / exchange", "hvctr.dist": "Horovod, MPI, logs", "hvctr.kernels": "C hot loops",
+    "hvctr.storage": "SSD / cache / exchange", "hvctr.distributed": "Horovod, MPI, logs", "hvctr.kernels": "C hot loops",
     "hvctr.config": "run config", "hvctr.formats": "data, key, row (the leaf)",
 }
 

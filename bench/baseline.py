@@ -3,7 +3,7 @@
 - ``plain``: plain single-process PyTorch, everything in RAM: the keys of the training set
   mapped once, up front, to rows of ONE ``nn.Embedding`` (sparse gradients, SparseAdam), the
   same DNN as hvctr (hvctr.models) with Adam, ``--threads`` torch threads (2 by default). It
-  reports training samples/s and validation AUC, logloss and COPC (hvctr.train.metrics).
+  reports training samples/s and validation AUC, logloss and COPC (hvctr.metrics).
 - ``torchrec``: the library an hvctr user would pick instead: TorchRec's
   FusedEmbeddingBagCollection (fbgemm's CPU kernels, the optimiser fused into the backward)
   over the same one table, the same DNN with Adam, ``--threads`` threads. fbgemm has no CPU
@@ -38,9 +38,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hvctr.train.data import ShardReader
+from hvctr.data.reader import ShardReader
 from hvctr.formats import NUM_DENSE
-from hvctr.train.metrics import EvalAccumulator
+from hvctr.metrics import EvalAccumulator
 from hvctr.models import DNN, MLP
 
 

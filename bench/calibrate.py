@@ -18,7 +18,7 @@ is measured is hvctr's own code on the sizes training uses:
   warmed from the page cache; and random rows of a larger shard warmed from the disk (its
   pages dropped from the page cache, the store reopened);
 - data rows read from an HDF5 file laid out as a data shard;
-- Horovod alltoall and grouped allreduce through hvctr.dist: the latency of a tiny one and
+- Horovod alltoall and grouped allreduce through hvctr.distributed: the latency of a tiny one and
   the bytes per second of a large one (with one rank nothing crosses between ranks).
 """
 
@@ -202,7 +202,7 @@ def disk_rate(work: str, shard_rows: int, reads: int, repeats: int) -> dict[str,
 
 
 def data_rate(work: str, reps: int) -> dict[str, float]:
-    """Rows/s of reading a data shard's three datasets in slices, as hvctr.train.data.ShardReader does."""
+    """Rows/s of reading a data shard's three datasets in slices, as hvctr.data.reader.ShardReader does."""
     import h5py
 
     n, step = 1 << 17, 1 << 15
@@ -279,7 +279,7 @@ def measure_rank(comm, work: str, quick: bool) -> dict[str, float]:
 
 
 def worker(out: str, work: str, quick: bool) -> int:
-    from hvctr.dist import init_comm
+    from hvctr.distributed import init_comm
 
     comm = init_comm()
     mine = os.path.join(work, f"rank-{comm.rank}")

@@ -221,7 +221,7 @@ def _window_keys(rng: np.random.Generator, samples: int) -> np.ndarray:
 
 def exchange_worker(args: argparse.Namespace) -> int:
     """One rank of the exchange benchmark (run under mpirun by bench_exchange)."""
-    from hvctr.dist import init_comm
+    from hvctr.distributed import init_comm
     from hvctr.storage.exchange import ShardedTable
     from hvctr.storage.store import EmbeddingStore, shard_path
 

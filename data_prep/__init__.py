@@ -12,7 +12,7 @@ names, the key rule, the shard layout, the line parser and input sources) live i
 - ``synth``: a generator of Criteo-format TSV from a known logistic model with interactions.
 - ``mpi``: the only module here that imports mpi4py; a single process runs without it.
 
-The trainer reads the output through ``hvctr.train.data``.
+The trainer reads the output through ``hvctr.data.reader``.
 """
 
 __version__ = "0.1.0"

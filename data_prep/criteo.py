@@ -38,13 +38,14 @@ from data_prep.mpi import Comm, get_comm
 from hvctr.formats.lines import parse_block
 from data_prep.pieces import (FILE_OVERHEAD, ROW_BYTES, PieceBuilder, ShardWriter, piece_path,
                               piece_shard_counts, write_error)
+from hvctr.data.manifest import read_manifest
 from hvctr.formats.space import check_free_space
 from hvctr.formats import NUM_DENSE, NUM_FIELDS, SPLITS, KeySketch
 from hvctr.formats.sources import (Source, Unit, assign_units, count_lines, iter_blocks, line_start_at,
                                make_units, nth_newline, open_sources)
-from data_prep.log import get_logger, setup_logging
+from hvctr.log import get_logger, setup_logging
 
-log = get_logger()
+log = get_logger("data_prep")
 MANIFEST = "manifest.json"
 WORK = "_work"
 SPLIT_RULE = ("global line index g over all inputs in the order given, --valid-input files last (data lines "
@@ -363,7 +364,7 @@ class Tracker:
         chunk = job.chunk_bytes or auto_chunk_bytes(sources)
         units = make_units(sources, chunk)
         ident = _identity(job, sources, chunk, len(units))
-        old = _load_manifest(self.path)
+        old = read_manifest(self.path, complete=False)
         if old is not None and _comparable(old.get("job"), ident) != old.get("job"):
             raise ValueError(f"{job.out} holds the output of a different job ({_diff(old.get('job'), ident)}); "
                              "use another --out or delete it")
@@ -552,19 +553,6 @@ def _refuse_stray_shards(out: str) -> None:
         more = f" and {len(stray) - 1} more" if len(stray) > 1 else ""
         raise ValueError(f"{stray[0]}{more}: shard files in {out} without a {MANIFEST} (not this job's output, "
                          "or its manifest was lost); they would be overwritten: use another --out or delete them")
-
-
-def _load_manifest(path: str) -> dict | None:
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            m = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable manifest ({e}); delete the directory to start over") from e
-    if m.get("format") != formats.FORMAT:
-        raise ValueError(f"{path}: not a data_prep manifest")
-    return m
 
 
 def _new_manifest(ident: dict, sources: list[Source], num_units: int, shards: int) -> dict:

@@ -5,7 +5,7 @@ and a working set of the rows its next k batches touch; ranks train locally and 
 model (parameters and Adam states) every k steps through Horovod.
 
 Packages (docs/architecture.md draws them): ``hvctr.formats`` (the data, key and row formats:
-a leaf), ``hvctr.dist`` (the only one that talks MPI/Horovod), ``hvctr.storage`` (the tiers
+a leaf), ``hvctr.distributed`` (the only one that talks MPI/Horovod), ``hvctr.storage`` (the tiers
 and the exchange), ``hvctr.optim``, ``hvctr.models``, ``hvctr.kernels`` (C hot loops),
 ``hvctr.train`` (the window loop), ``hvctr.sim`` (W ranks in one process), ``hvctr.topo``,
 ``hvctr.plan``, ``hvctr.offline``. The benchmarks are the separate ``bench`` package.

@@ -17,7 +17,7 @@ import sys
 from typing import Callable
 
 import hvctr
-from hvctr.dist.world import AgreedError, abort_job, report_error
+from hvctr.distributed.world import AgreedError, abort_job, report_error
 
 # name -> (module, one-line help). The module provides add_arguments(parser) and run(args, overrides).
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("hvctr.train.eval_cmd", "evaluate a run's newest checkpoint on its validation split"),
     "report": ("hvctr.train.report", "draw a run's report.png (loss, validation AUC/NE, samples/s, cache, time) and print its summary"),
     "simulate": ("hvctr.sim.cmd", "W ranks of hvctr train in one process, in turn (quality at many ranks on one machine)"),
-    "config": ("hvctr.config", "print the resolved configuration (defaults < file < flags) as TOML"),
+    "config": ("hvctr.config.cmd", "print the resolved configuration (defaults < file < flags) as TOML"),
     "topo": ("hvctr.topo.cmd", "discover the node's hardware map (TOML), or print the placement plan of its ranks"),
     "plan": ("hvctr.plan.cmd", "how much SSD, host and GPU memory a table needs per rank, bytes and time per step"),
     "bench": ("bench.suite", "run every benchmark: BENCHMARKS.md and its plots (--quick: 5 min; --calibrate: rates for plan)"),

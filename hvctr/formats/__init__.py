@@ -4,7 +4,7 @@ This package is a leaf: it imports nothing of hvctr outside itself (a test holds
 so data_prep, the store, the optimiser, export and score, and the C kernels (through
 ``c_header()``) all take their contract from here, and nothing else defines it.
 
-Data shard (what ``python -m data_prep`` writes, ``hvctr.train.data`` reads). Row layout
+Data shard (what ``python -m data_prep`` writes, ``hvctr.data.reader`` reads). Row layout
 (Criteo): label, I1..I13 (integers, may be empty or negative), C1..C26 (hex strings, may be
 empty). A shard file ``<split>-<s:05d>.h5`` holds, for N rows:
 

@@ -30,7 +30,7 @@ import struct
 import threading
 from pathlib import Path
 
-from hvctr.dist.log import get_logger
+from hvctr.log import get_logger
 from hvctr.formats import EMPTY_KEY, RowLayout
 
 log = get_logger(__name__)

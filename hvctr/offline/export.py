@@ -40,9 +40,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hvctr.train.checkpoint import file_sha256, write_manifest
+from hvctr.checkpoint.format import file_sha256, write_manifest
 from hvctr.config import Config, load_config, to_dict
-from hvctr.dist.log import get_logger
+from hvctr.log import get_logger
 from hvctr.offline.reader import CheckpointReader
 
 log = get_logger(__name__)

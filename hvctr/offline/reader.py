@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
-from hvctr.train.checkpoint import (checkpoint_path, file_sha256, locate, rank_file_path, read_bucket_owner,
+from hvctr.checkpoint.format import (checkpoint_path, file_sha256, locate, rank_file_path, read_bucket_owner,
                               read_manifests)
 
 CHUNK_ROWS = 1 << 18

@@ -32,7 +32,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hvctr.train.checkpoint import FORMAT_VERSION, RowWriter, checkpoint_path, file_sha256, read_manifests, write_manifest
+from hvctr.checkpoint.format import FORMAT_VERSION, RowWriter, checkpoint_path, file_sha256, read_manifests, write_manifest
 from hvctr.formats import NUM_BUCKETS, owner_of
 from hvctr.offline.reader import CheckpointReader
 

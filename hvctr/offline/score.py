@@ -34,10 +34,10 @@ import torch
 
 from hvctr.formats.lines import parse_block
 from hvctr.formats.sources import Unit, iter_blocks, open_sources
-from hvctr.train.checkpoint import file_sha256, read_manifest
+from hvctr.checkpoint.format import file_sha256, read_manifest
 from hvctr.config import ModelArch, ModelConfig
 from hvctr.formats import owner_of
-from hvctr.train.metrics import EvalAccumulator
+from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
 from hvctr.offline.export import FORMAT, FORMAT_VERSION, ROW_FORMATS, dequantize_int8_rowwise
 from hvctr.formats import RowLayout, init_rows

@@ -22,7 +22,7 @@ from hvctr.config import Compression, Config, MergeMode, load_config
 from hvctr.plan.keyfreq import KeyCurve, data_curve, zipf_curve
 from hvctr.plan.model import NO_FIT, Job, NodeInfo, Plan, plan
 from hvctr.plan.rates import load_rates
-from hvctr.train.lr import resolve_merge
+from hvctr.config.resolve import resolve_merge
 from hvctr.topo.hwmap import HardwareMap, format_cpulist, load_map
 from hvctr.topo.plan import plan_node
 

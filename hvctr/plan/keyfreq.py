@@ -175,7 +175,7 @@ def _split_distinct(data_dir: str, records: list[dict]) -> float:
 
 def data_curve(data_dir: str, sample_rows: int = 1 << 20) -> KeyCurve:
     """D(n) measured on the train split of a data_prep directory (see the module docstring)."""
-    from hvctr.train.data import load_manifest
+    from hvctr.data.reader import load_manifest
 
     manifest = load_manifest(data_dir)
     records = manifest["shards"]["train"]

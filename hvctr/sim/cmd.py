@@ -64,8 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from hvctr.config import Config, load_config, write_toml
-from hvctr.dist.log import RankFormatter, get_logger
-from hvctr.dist.world import AgreedError, group_errors, raise_agreed
+from hvctr.log import RankFormatter, get_logger
+from hvctr.distributed.world import AgreedError, group_errors, raise_agreed
 from hvctr.train.stop import StopRequest
 
 log = get_logger(__name__)
@@ -127,7 +127,7 @@ def preflight(cfg: Config, size: int, resume: bool, init_from: str | None) -> Co
 # --- logging: every line names its simulated rank ------------------------------------------
 
 class _Formatter(RankFormatter):
-    """hvctr.dist.log's line, naming the simulated rank whose thread logged it ("sim": the driver)."""
+    """hvctr.log's line, naming the simulated rank whose thread logged it ("sim": the driver)."""
 
     def __init__(self, world, width: int) -> None:
         super().__init__(0, width)

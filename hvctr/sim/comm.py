@@ -1,4 +1,4 @@
-"""ThreadComm: ``hvctr.dist.comm.Comm``'s collectives for W simulated ranks, one thread each.
+"""ThreadComm: ``hvctr.distributed.comm.Comm``'s collectives for W simulated ranks, one thread each.
 
     world = ThreadWorld(4)
     comms = [ThreadComm(world, r) for r in range(4)]   # one per simulated rank's thread
@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from hvctr.dist.world import agree_on
+from hvctr.distributed.world import agree_on
 
 T = TypeVar("T")
 

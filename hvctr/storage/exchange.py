@@ -46,7 +46,7 @@ from hvctr.storage.row_merge import merged_rows
 from hvctr.storage.store import EmbeddingStore, as_keys, require_unique
 
 if TYPE_CHECKING:
-    from hvctr.dist import Comm
+    from hvctr.distributed import Comm
 
 ApplyFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Keys = Routing | np.ndarray  # a routing, or unique keys to route on the call

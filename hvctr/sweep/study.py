@@ -38,7 +38,7 @@ import optuna
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
-from hvctr.train.rundir import pid_alive
+from hvctr.rundir import pid_alive
 
 STUDY_NAME = "hvctr-sweep"
 SETTINGS = "study.json"

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hvctr.config import MemoryPolicy, TopologyConfig
-from hvctr.dist.log import get_logger
+from hvctr.log import get_logger
 from hvctr.topo.hwmap import UNKNOWN, HardwareMap, format_cpulist, load_map
 from hvctr.topo.plan import RankPlan, format_table, plan_rank
 

@@ -2,5 +2,5 @@
 
 Owns the order of operations of one window (pull, k local steps, merge, push) and what the
 user sees of a run. Models live in hvctr.models, optimiser kernels in hvctr.optim, the table
-in hvctr.storage, collectives in hvctr.dist; this package wires them together.
+in hvctr.storage, collectives in hvctr.distributed; this package wires them together.
 """

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from hvctr.config import Config, write_toml
-from hvctr.dist.log import get_logger, setup_logging
-from hvctr.dist.world import set_error_gate
+from hvctr.log import get_logger, setup_logging
+from hvctr.distributed.world import set_error_gate
 from hvctr.train.preflight import preflight
 from hvctr.train.stop import StopRequest
 
@@ -68,7 +68,7 @@ def _start(cfg: Config, run_dir: Path, program: str):
     cublas_note = cuda_determinism_env()  # before anything can initialise CUDA
     import torch  # here, not at the top: the preflight before it needs none of it
 
-    from hvctr.dist import init_comm
+    from hvctr.distributed import init_comm
 
     comm = init_comm(cfg.topology.ranks_per_virtual_node, cfg.train.stall_timeout_s, program=f"hvctr {program}")
     if comm.rank == 0:
@@ -133,7 +133,7 @@ def _train(args: argparse.Namespace, checked, stop: StopRequest) -> int:
     run_dir = Path(cfg.train.run_dir)
     comm, device, ssd_dir = _start(cfg, run_dir, "train")
     from hvctr.train import preflight as _preflight
-    from hvctr.train.rundir import write_identity
+    from hvctr.rundir import write_identity
     from hvctr.train.trainer import Trainer
 
     if comm.rank == 0:  # only now: a refused resume has left the run directory as it was
@@ -191,8 +191,8 @@ def _eval(args: argparse.Namespace, cfg: Config, run_dir: Path) -> int:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    """``path`` never half-written (hvctr.train.rundir.write_json)."""
-    from hvctr.train.rundir import write_json
+    """``path`` never half-written (hvctr.rundir.write_json)."""
+    from hvctr.rundir import write_json
 
     write_json(path, obj)
 

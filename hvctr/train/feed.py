@@ -1,6 +1,6 @@
 """The trainer's view of the data: batches per epoch agreed over ranks, windows, eval batches.
 
-Rank r reads the data shards s with s % W == r (hvctr.train.data.ShardReader). Ranks hold different
+Rank r reads the data shards s with s % W == r (hvctr.data.reader.ShardReader). Ranks hold different
 numbers of rows, and every step is a collective, so the batches per epoch are the minimum over
 ranks; a rank's batches past it (and its partial last batch) are dropped, counted and reported.
 Evaluation reads every row, the partial last batch included.
@@ -19,9 +19,9 @@ import time
 import numpy as np
 
 from hvctr.config import DataConfig, DataVerify
-from hvctr.train.data import NUM_DENSE, NUM_FIELDS, ShardReader, read_stamp, write_stamp
-from hvctr.dist.world import AgreedError
-from hvctr.dist.log import get_logger
+from hvctr.data.reader import NUM_DENSE, NUM_FIELDS, ShardReader, read_stamp, write_stamp
+from hvctr.distributed.world import AgreedError
+from hvctr.log import get_logger
 
 log = get_logger(__name__)
 

@@ -20,38 +20,16 @@ SDE scaling rule for Adam (Malladi et al., arXiv 2205.10287: 1 - beta x kappa, e
 for a batch kappa times larger), with kappa = sqrt(W), chosen by measurement (kappa = W, the
 rule's own choice for synchronous training, lost AUC at W = 8). It applies to dense and sparse Adam.
 
-``resolve_merge`` settles the other world-size rule, ``merge.dense_every_steps = -1`` (auto):
-the dense model merges every 4 steps, its moves in float16, from 32 ranks on (why:
-hvctr.train.merger).
+The other world-size rules, the global batch's per-rank share (``batch_growth``, ``size_batch``)
+and ``merge.dense_every_steps = -1`` (``resolve_merge``), live beside the config they resolve, in
+hvctr.config.resolve.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
-from hvctr.config import AdamScaling, Compression, DataConfig, LrScaling, MergeConfig, MergeMode, TrainConfig
-
-
-AUTO_DENSE_RANKS = 32  # merge.dense_every_steps = -1 merges the dense model every 4 steps from here on
-AUTO_DENSE_EVERY = 4
-
-
-def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
-    """The merge settings a run of ``world_size`` ranks uses: ``dense_every_steps = -1`` (auto)
-    becomes 4 steps with float16 moves (``compression = fp16``) in kstep mode from
-    AUTO_DENSE_RANKS ranks on, else 0 (the dense model merges at the window's end)."""
-    if cfg.dense_every_steps >= 0:
-        return cfg
-    if cfg.mode is MergeMode.KSTEP and world_size >= AUTO_DENSE_RANKS and cfg.every_k_steps > AUTO_DENSE_EVERY:
-        return dataclasses.replace(cfg, dense_every_steps=AUTO_DENSE_EVERY, compression=Compression.FP16)
-    return dataclasses.replace(cfg, dense_every_steps=0)
-
-
-def batch_growth(data: DataConfig, world_size: int) -> int:
-    """How many times one rank's batch the global batch is: W, or 1 where ``data.global_batch_size``
-    fixes the global batch (W ranks then take the steps one rank would, on the same samples)."""
-    return 1 if data.global_batch_size else world_size
+from hvctr.config import AdamScaling, LrScaling, MergeConfig, TrainConfig
 
 
 def world_factor(rule: LrScaling, growth: int) -> float:

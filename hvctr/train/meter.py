@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from hvctr.dist.log import get_logger
+from hvctr.log import get_logger
 
 log = get_logger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from hvctr.dist.log import get_logger
+from hvctr.log import get_logger
 from hvctr.train.window import Route, Window, build_window, fitting_prefix, index_keys
 
 log = get_logger(__name__)

@@ -5,7 +5,7 @@ A bad input must stop the job before training, be reported once, and leave no ra
     cfg = preflight(args.config, overrides, resume=args.resume)   # raises AgreedError
 
 Every rank runs the same checks (none of them communicates), then the ranks meet once to
-agree on the errors (hvctr.dist.world): rank 0 prints each distinct message once, naming the
+agree on the errors (hvctr.distributed.world): rank 0 prints each distinct message once, naming the
 ranks that hit it, and every rank exits with status 2. What is checked here:
 
 - the configuration (unknown keys, wrong types, values out of range: hvctr.config);
@@ -32,9 +32,10 @@ import os
 from pathlib import Path
 
 from hvctr.config import Config, load_config
-from hvctr.dist.world import check_collectively, world_rank, world_size
+from hvctr.config.resolve import size_batch
+from hvctr.distributed.world import check_collectively, world_rank, world_size
 from hvctr.topo.bind import launcher_local_size
-from hvctr.train.rundir import IDENTITY_NAME, RunLock, check_resume_identity, read_identity, run_identity
+from hvctr.rundir import IDENTITY_NAME, RunLock, check_resume_identity, read_identity, run_identity
 
 SHARD_HEADROOM = 1.25  # sized shards hold the estimate's fullest rank x this (sketch error, bucket skew)
 MIN_SIZED_ROWS = 1 << 12
@@ -61,7 +62,7 @@ def preflight(config_path: str | None, overrides: list[str], resume: bool, init_
 
     ``eval_only``: no training data needed; ``run_dir``: where the checkpoints are when it is
     not the config's train.run_dir (hvctr eval of a moved run directory). Rank 0 takes the run
-    directory's lock first (hvctr.train.rundir): a second job on it stops here, at once. A
+    directory's lock first (hvctr.rundir): a second job on it stops here, at once. A
     training run's identity is checked on --resume, before anything is written.
     """
     rank, size = world_rank(), world_size()
@@ -99,7 +100,7 @@ def check_identity(cfg: Config, run_dir: Path, size: int, resume: bool,
     every difference; other differences are listed. With --init-from on other data than the
     run's, the trainer decides (a new pass of a day chain).
     """
-    from hvctr.train.checkpoint import read_manifests
+    from hvctr.checkpoint.format import read_manifests
 
     now = run_identity(cfg, size)
     directory = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
@@ -139,18 +140,6 @@ def check_inputs(cfg: Config, rank: int, size: int, resume: bool, init_from: str
     return size_shard(cfg, size, init_from, check=not eval_only)
 
 
-def size_batch(cfg: Config, size: int) -> Config:
-    """``cfg`` with ``data.batch_size_per_rank`` = ``data.global_batch_size`` / W where the global
-    batch is fixed (> 0): the same steps over the same samples at any rank count."""
-    g = cfg.data.global_batch_size
-    if g == 0:
-        return cfg
-    if g % size:
-        raise ValueError(f"config key 'data.global_batch_size': {g} is not a multiple of the world size {size}: "
-                         f"each rank takes global / W rows per step (set it to {max(size, g // size * size)})")
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size_per_rank=g // size))
-
-
 def first_checkpoint_bytes(cfg: Config, size: int) -> tuple[int, int]:
     """(certain, at most) bytes of one rank's file of the run's first checkpoint. Certain: the
     dense parameters with Adam's two moments. At most: with the rows of a base, as key, row and
@@ -159,7 +148,7 @@ def first_checkpoint_bytes(cfg: Config, size: int) -> tuple[int, int]:
     the first checkpoint (checkpoint.every_windows, or train.max_steps, steps x batch x fields)."""
     from hvctr.formats import RowLayout
     from hvctr.plan.model import dense_params, rows_per_rank
-    from hvctr.train.data import load_manifest
+    from hvctr.data.reader import load_manifest
 
     rows = cfg.storage.rows_per_rank
     try:
@@ -187,7 +176,7 @@ def check_directories(cfg: Config, rank: int, size: int, run_dir: Path, env=None
     map's SSD directory is known only after placement: the trainer checks it.
     """
     from hvctr.plan.model import shard_bytes
-    from hvctr.train.rundir import usable_dir, working_shard_place
+    from hvctr.rundir import usable_dir, working_shard_place
 
     env = os.environ if env is None else env
     ckpt_key = "config key 'checkpoint.dir'" if cfg.checkpoint.dir else "config key 'train.run_dir' (its checkpoints/)"
@@ -228,7 +217,7 @@ def check_directories(cfg: Config, rank: int, size: int, run_dir: Path, env=None
 def _prior_rows(init_from: str) -> int:
     """Rows of the fullest rank of the model --init-from starts from, at most (the sum of its
     checkpoint chain's per-rank row counts: a delta's rows may repeat the base's); 0 unknown."""
-    from hvctr.train.checkpoint import locate, read_manifests
+    from hvctr.checkpoint.format import locate, read_manifests
 
     try:
         directory, seq = locate(init_from)
@@ -258,7 +247,7 @@ def size_shard(cfg: Config, size: int, init_from: str | None = None, check: bool
     """
     global sizing_note
     from hvctr.plan.model import rows_per_rank as fullest_rank_rows
-    from hvctr.train.data import load_manifest
+    from hvctr.data.reader import load_manifest
 
     s = cfg.storage
     sizing_note = ""
@@ -291,7 +280,7 @@ def size_shard(cfg: Config, size: int, init_from: str | None = None, check: bool
 
 
 def _check_data(cfg: Config, rank: int, size: int, eval_only: bool) -> None:
-    from hvctr.train.data import ShardReader
+    from hvctr.data.reader import ShardReader
 
     d = cfg.data
     if not d.train_dir:
@@ -307,7 +296,7 @@ def _check_data(cfg: Config, rank: int, size: int, eval_only: bool) -> None:
 
 
 def _check_checkpoints(cfg: Config, run_dir: Path, size: int, resume: bool) -> None:
-    from hvctr.train.checkpoint import read_manifests
+    from hvctr.checkpoint.format import read_manifests
 
     directory = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
     manifests = read_manifests(directory) if directory.is_dir() else []

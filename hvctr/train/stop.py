@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from hvctr.dist.log import get_logger
+from hvctr.log import get_logger
 
 log = get_logger(__name__)
 

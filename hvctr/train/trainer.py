@@ -26,22 +26,24 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hvctr.train.checkpoint import CheckpointManager, TrainState, checkpoint_path, locate
+from hvctr.checkpoint.format import TrainState, checkpoint_path, locate
+from hvctr.checkpoint.manager import CheckpointManager
 from hvctr.config import Compression, Config, MergeMode
-from hvctr.dist.world import AgreedError
+from hvctr.distributed.world import AgreedError
 from hvctr.formats import default_bucket_owner
-from hvctr.dist.log import get_logger
-from hvctr.train.metrics import EvalAccumulator
+from hvctr.log import get_logger
+from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
 from hvctr.optim import (adam_step_count, apply_adam_to_rows, gather_embeddings, get_adam_states, set_adam_states,
                          sparse_adam_step, sum_embedding_grads)
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.train.feed import TrainData
-from hvctr.train.lr import resolve_merge, LearningRates, batch_growth
+from hvctr.train.lr import LearningRates
+from hvctr.config.resolve import batch_growth, resolve_merge
 from hvctr.train.merger import KStepMerger, SyncGradients
 from hvctr.train.meter import Meter
 from hvctr.train.prefetch import Schedule, WindowSource
-from hvctr.train.rundir import private_scratch_dir, working_shard_dir, working_shard_place  # noqa: F401
+from hvctr.rundir import private_scratch_dir, working_shard_place
 from hvctr.train.stop import StopRequest
 from hvctr.train.window import Window
 

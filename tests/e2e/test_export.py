@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from hvctr.formats.lines import RowFormat, parse_block
-from hvctr.train.checkpoint import read_manifest, write_manifest
+from hvctr.checkpoint.format import read_manifest, write_manifest
 from hvctr.cli import main
 from hvctr.formats import owner_of
 from tests.conftest import REPO, VENV_PY, mpi_env

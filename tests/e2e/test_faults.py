@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hvctr.train.checkpoint import file_sha256, read_manifests
+from hvctr.checkpoint.format import file_sha256, read_manifests
 from tests.conftest import mount_tmpfs, unmount
 from tests.e2e.helpers import assert_same_model, launch, make_dataset, session_pids, signal_job, train
 

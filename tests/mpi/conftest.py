@@ -1,6 +1,6 @@
 import pytest
 
-from hvctr.dist import init_comm
+from hvctr.distributed import init_comm
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,10 @@
-"""Agreeing on one rank's error (Comm.agree, and before Horovod, hvctr.dist.world); run under
+"""Agreeing on one rank's error (Comm.agree, and before Horovod, hvctr.distributed.world); run under
 mpirun -np 2 and -np 3. Every rank must come out of each test: a rank left waiting would hang
 the run, which is the failure these functions exist to prevent."""
 
 import pytest
 
-from hvctr.dist.world import AgreedError, agree_on_errors, check_collectively
+from hvctr.distributed.world import AgreedError, agree_on_errors, check_collectively
 
 
 def _fail_on(ranks, rank, message="bad input"):

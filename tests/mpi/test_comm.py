@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from hvctr.dist.log import get_logger, setup_logging
+from hvctr.log import get_logger, setup_logging
 
 
 def launcher_rank_and_size() -> tuple[int, int]:

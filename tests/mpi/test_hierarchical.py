@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from hvctr.dist import init_comm
+from hvctr.distributed import init_comm
 
 WORLD = int(os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("SLURM_NTASKS", "0")))
 pytestmark = pytest.mark.skipif(WORLD != 4, reason="needs exactly 4 ranks (mpirun -np 4)")

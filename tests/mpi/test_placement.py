@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 from hvctr.config import TopologyConfig
-from hvctr.dist.log import setup_logging
+from hvctr.log import setup_logging
 from hvctr.topo import apply_placement, binding_report, format_binding_table, load_map, plan_rank
 from hvctr.topo.hwmap import format_cpulist
 

@@ -17,9 +17,9 @@ from data_prep.synth import generate
 from hvctr.config import load_config
 from hvctr.formats import NUM_BUCKETS
 from hvctr.topo.bind import default_threads, launcher_local_size
-from hvctr.train.data import STAMP_NAME, ShardReader, read_stamp, write_stamp
+from hvctr.data.reader import STAMP_NAME, ShardReader, read_stamp, write_stamp
 from hvctr.train.preflight import SHARD_HEADROOM, check_memory, size_shard
-from hvctr.train.trainer import working_shard_place
+from hvctr.rundir import working_shard_place
 
 
 @pytest.mark.parametrize("allowed,env,host,want", [

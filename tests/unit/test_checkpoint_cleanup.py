@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from hvctr.config import StorageConfig
-from hvctr.dist.world import AgreedError, agree_on
+from hvctr.distributed.world import AgreedError, agree_on
 from hvctr.storage import EmbeddingStore
-from hvctr.train import checkpoint as ckpt
-from hvctr.train.checkpoint import CheckpointManager, TrainState
+from hvctr.checkpoint import manager as ckpt
+from hvctr.checkpoint.format import TrainState
+from hvctr.checkpoint.manager import CheckpointManager
 
 
 class OneRank:

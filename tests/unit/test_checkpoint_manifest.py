@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hvctr.train.checkpoint import MANIFEST_CHECKSUM, read_manifest, read_manifests, write_manifest
+from hvctr.checkpoint.format import MANIFEST_CHECKSUM, read_manifest, read_manifests, write_manifest
 
 
 def _write(directory, seq, step):
@@ -45,7 +45,7 @@ def test_a_manifest_that_is_not_json_is_named(tmp_path):
 
 def test_a_checkpoint_on_the_other_kernel_path_says_bit_equality_is_not_kept(monkeypatch):
     from hvctr.kernels import native
-    from hvctr.train.checkpoint import kernel_path_change
+    from hvctr.checkpoint.format import kernel_path_change
     assert native.kernel_path() == "native"
     assert kernel_path_change({"seq": 3, "kernels": "native"}) is None
     assert kernel_path_change({"seq": 3}) is None  # written before the field: nothing to compare

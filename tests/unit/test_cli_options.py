@@ -1,5 +1,5 @@
 """One spelling per concept: overrides as --section.key=value or --section.key value, every
-option documented, and the configuration reference generated from hvctr/config.py."""
+option documented, and the configuration reference generated from hvctr/config/__init__.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import argparse
 import pytest
 
 import data_prep.__main__ as data_prep_main
-from hvctr import cli, config_docs
+from hvctr import cli
+from hvctr.config import docs as config_docs
 from tests.conftest import REPO
 
 

@@ -1,4 +1,4 @@
-"""hvctr.train.data.ShardReader on a real data_prep output: the rank's stream, batches, resume, checks."""
+"""hvctr.data.reader.ShardReader on a real data_prep output: the rank's stream, batches, resume, checks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from data_prep.criteo import Job, run_job
 from data_prep.mpi import Comm
 from data_prep.synth import generate
-from hvctr.train.data import ShardReader, load_manifest
+from hvctr.data.reader import ShardReader, load_manifest
 
 SHARDS = 5
 

@@ -5,7 +5,7 @@ every import statement, those inside functions included, of every module.
 - hvctr.formats imports nothing of hvctr outside itself: it is the leaf every side agrees on;
 - data_prep imports nothing of hvctr but hvctr.formats;
 - the models import neither the table (storage) nor the collectives (dist);
-- only hvctr.dist imports horovod or mpi4py.
+- only hvctr.distributed imports horovod or mpi4py.
 Then: the commands that only read configs and maps never load torch.
 """
 
@@ -42,22 +42,22 @@ def test_data_prep_takes_only_the_formats_from_hvctr():
 
 
 def test_models_import_neither_storage_nor_dist():
-    assert violations("hvctr/models", lambda f, m: _under(m, "hvctr.storage") or _under(m, "hvctr.dist")) == []
+    assert violations("hvctr/models", lambda f, m: _under(m, "hvctr.storage") or _under(m, "hvctr.distributed")) == []
 
 
 def test_only_dist_talks_to_horovod_and_mpi():
     bad = violations("hvctr", lambda f, m: (_under(m, "horovod") or _under(m, "mpi4py"))
-                     and not f.startswith("hvctr/dist/"))
+                     and not f.startswith("hvctr/distributed/"))
     assert bad == []
 
 
 def test_the_checker_sees_function_level_and_from_imports(tmp_path, monkeypatch):
     # The rules above are only as good as imports_of: it must see a lazy import in a function.
     f = REPO / "hvctr" / "formats" / "_probe_for_test.py"
-    f.write_text("def g():\n    from hvctr.train import data\n    import torch\n")
+    f.write_text("def g():\n    from hvctr.train import loop\n    import torch\n")
     try:
         names = imports_of(f)
-        assert {"hvctr.train", "hvctr.train.data", "torch"} <= names
+        assert {"hvctr.train", "hvctr.data.reader", "torch"} <= names
         assert violations("hvctr/formats", lambda _, m: _under(m, "hvctr") and not _under(m, "hvctr.formats"))
     finally:
         f.unlink()

@@ -58,8 +58,8 @@ def test_adam_scaling_shortens_the_moments_memory_by_sqrt_w():
 
 def test_a_fixed_global_batch_is_dealt_over_the_ranks_and_grows_nothing():
     from hvctr.config import DataConfig
-    from hvctr.train.lr import batch_growth
-    from hvctr.train.preflight import size_batch
+    from hvctr.config.resolve import batch_growth
+    from hvctr.config.resolve import size_batch
 
     cfg = load_config(None, ["--data.global_batch_size=4096"])
     assert size_batch(cfg, 64).data.batch_size_per_rank == 64
@@ -78,7 +78,7 @@ def test_a_fixed_global_batch_is_dealt_over_the_ranks_and_grows_nothing():
 
 def test_dense_merges_inside_the_window_from_32_ranks_on_by_default():
     from hvctr.config import Compression, MergeConfig, MergeMode
-    from hvctr.train.lr import AUTO_DENSE_RANKS, resolve_merge
+    from hvctr.config.resolve import AUTO_DENSE_RANKS, resolve_merge
 
     auto = MergeConfig(every_k_steps=8)
     assert auto.dense_every_steps == -1

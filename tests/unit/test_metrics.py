@@ -5,7 +5,7 @@ import pytest
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 
-from hvctr.train.metrics import EvalAccumulator
+from hvctr.metrics import EvalAccumulator
 
 
 def _ctr_like(n, seed, base=-2.5, spread=0.8, signal=1.0):

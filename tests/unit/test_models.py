@@ -78,7 +78,7 @@ def test_seeded_builds_are_identical_and_leave_the_global_rng_alone():
 
 
 def test_model_code_imports_nothing_from_storage_dist_mpi_or_hdf5():
-    banned = ("hvctr.storage", "hvctr.dist", "hvctr.train", "horovod", "mpi4py", "h5py")
+    banned = ("hvctr.storage", "hvctr.distributed", "hvctr.train", "horovod", "mpi4py", "h5py")
     files = sorted(Path(hvctr.models.__file__).parent.rglob("*.py"))
     assert files
     for f in files:

@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hvctr.train.checkpoint import file_sha256, rank_file_path, write_rows
+from hvctr.checkpoint.format import file_sha256, rank_file_path, write_rows
 from hvctr.formats import NUM_BUCKETS, default_bucket_owner, owner_of
 from hvctr.offline.reader import CheckpointReader
 from hvctr.offline.reshard import plan_buckets, reshard

@@ -1,4 +1,4 @@
-"""One job per run directory, and a resume that checks what it resumes (hvctr.train.rundir).
+"""One job per run directory, and a resume that checks what it resumes (hvctr.rundir).
 
 - The lock: a second job fails at once, naming the holder's host and pid; a lock left by a
   killed job is reported as stale and taken over; a job that ends releases it. Through
@@ -26,18 +26,18 @@ from data_prep.criteo import Job, run_job
 from data_prep.mpi import Comm
 from data_prep.synth import generate
 from hvctr.config import load_config, write_toml
-from hvctr.train.checkpoint import write_manifest
+from hvctr.checkpoint.format import write_manifest
 from hvctr.plan.model import shard_bytes
 from hvctr.train.preflight import (check_directories, check_identity, check_inputs, check_memory,
                                    first_checkpoint_bytes)
-from hvctr.train.rundir import (IDENTITY_NAME, LOCK_NAME, RunLock, compare_identity, private_scratch_dir, run_identity,
+from hvctr.rundir import (IDENTITY_NAME, LOCK_NAME, RunLock, compare_identity, private_scratch_dir, run_identity,
                                 write_identity)
 from tests.conftest import REPO, VENV_PY, mpi_env
 
 # `python -m hvctr` runs with its cwd outside the checkout, so that it imports the installed hvctr
 # (tests/e2e/test_install.py runs these tests against a pip install, whose kernels are built there)
 
-HOLD = ("import sys, time; from hvctr.train.rundir import RunLock; "
+HOLD = ("import sys, time; from hvctr.rundir import RunLock; "
         "lock = RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)")
 
 

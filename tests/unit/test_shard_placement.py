@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from hvctr.config import load_config
-from hvctr.train.trainer import working_shard_dir
+from hvctr.rundir import working_shard_dir
 
 
 def test_shard_dir_setting_then_the_maps_ssd_then_the_run_directory(tmp_path):

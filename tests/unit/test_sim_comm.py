@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hvctr.config import load_config
-from hvctr.dist.world import AgreedError
+from hvctr.distributed.world import AgreedError
 from hvctr.sim.cmd import node_grouping, simulated_config
 from hvctr.sim.comm import SimulationAborted, ThreadComm, ThreadWorld
 

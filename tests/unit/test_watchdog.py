@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from hvctr.dist.watchdog import CollectiveWatchdog
+from hvctr.distributed.watchdog import CollectiveWatchdog
 
 
 def test_a_wait_past_the_timeout_is_reported_once_naming_the_collective():

@@ -17,7 +17,7 @@ import pytest
 from data_prep.synth import generate
 from hvctr import cli
 from hvctr.config import Config, write_toml
-from hvctr.dist.log import get_logger, setup_logging
+from hvctr.log import get_logger, setup_logging
 from hvctr.train.cmd import _write_json
 from hvctr.train.meter import Meter
 from tests.conftest import REPO, VENV_PY, mpi_env

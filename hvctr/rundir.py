@@ -276,7 +276,7 @@ def _check_dir(path: Path, ok, what: str) -> None:
 # admission and TTL rules whose state the checkpoint carries. Everything else may change and
 # is listed (learning rates, the merge rules' tuning, log and checkpoint cadence, epochs,
 # caches, placement, timeouts). The world size is checked against the newest checkpoint
-# (hvctr reshard may change it), the kernel path only warned about (hvctr.train.checkpoint).
+# (hvctr reshard may change it), the kernel path only warned about (hvctr.checkpoint.format).
 MUST_MATCH = frozenset({
     "model.arch", "model.hidden", "model.num_dense", "model.num_fields",
     "storage.dim", "storage.seed", "storage.init_scale", "storage.admit_after", "storage.admit_sketch_slots",
@@ -292,7 +292,7 @@ def data_digest(train_dir: str) -> dict[str, Any]:
     """The training data's identity: sha256 over its data_prep manifest's train shard records
     (file names, rows, the sha256 of every dataset), independent of where the data lives and of
     when data_prep ran; with the shard count and the directory (which may move)."""
-    from hvctr.train.data import load_manifest
+    from hvctr.data.reader import load_manifest
 
     shards = load_manifest(train_dir)["shards"]["train"]
     body = json.dumps(shards, sort_keys=True, separators=(",", ":")).encode()

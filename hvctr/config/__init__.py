@@ -98,7 +98,7 @@ class TopologyConfig:
 class StorageConfig:
     dim: int = 16  # embedding dimension D; a row holds 3 * (D + 1) + 1 float32
     # working shards; empty: the hardware map's SSD for the rank, else node-local scratch
-    # ($SLURM_TMPDIR, $TMPDIR: hvctr.train.rundir.working_shard_dir), else <run_dir>/shards
+    # ($SLURM_TMPDIR, $TMPDIR: hvctr.rundir.working_shard_dir), else <run_dir>/shards
     shard_dir: str = ""
     # capacity of each rank's SSD shard, in rows; 0: sized at start from the data manifest's
     # distinct-key estimate and the rank count, with headroom (hvctr.train.preflight.size_shard)
@@ -123,7 +123,7 @@ class MergeConfig:
     every_k_steps: int = 4  # k: local steps between merges (the window length)
     # kstep: the dense model also merges every this many local steps inside a window, the rows
     # still once a window; 0: at the window's end only; -1 (auto): 4 from 32 ranks on, with the
-    # moves in fp16 (merge.compression), and 0 below (hvctr.train.merger.resolve_merge)
+    # moves in fp16 (merge.compression), and 0 below (hvctr.config.resolve.resolve_merge)
     dense_every_steps: int = -1
     k_warmup_steps: int = 0  # kstep: windows grow from 1 step to k over this many steps (0: k from the start)
     # dense Adam states averaged with the parameters; params: same AUC as params+m+v in the k sweep
@@ -180,7 +180,7 @@ class TrainConfig:
     threads: int = 0  # torch threads per rank; 0: the placement plan's, else the rank's cpus / ranks sharing them
     queue_timeout_s: float = 900.0  # prefetch queue waits; a hung reader becomes an error
     # a collective that waits this long for a rank that never comes (hung, stopped, stuck in I/O)
-    # ends the job with an error naming it (hvctr.dist.watchdog, on every rank); 0: wait forever.
+    # ends the job with an error naming it (hvctr.distributed.watchdog, on every rank); 0: wait forever.
     # Keep it under queue_timeout_s, so that a peer's hang is reported as one
     stall_timeout_s: float = 600.0
 
@@ -443,25 +443,3 @@ def _validate(cfg: Config) -> None:
     _require(cfg.metrics.log_every_steps >= 1, "metrics.log_every_steps", "must be >= 1")
     _require(cfg.metrics.eval_every_windows >= 0, "metrics.eval_every_windows",
              f"must be >= 0, got {cfg.metrics.eval_every_windows}")
-
-
-# --- the ``hvctr config`` command: shows the configuration a run would use, and checks it ---
-
-def add_arguments(p) -> None:
-    p.add_argument("--config", help="TOML file (see slurm/configs/); --section.key=value flags override it")
-    what = p.add_mutually_exclusive_group()
-    what.add_argument("--describe", action="store_true",
-                      help="print every key with its default, type and meaning (the comments in hvctr/config.py)")
-    what.add_argument("--markdown", action="store_true",
-                      help="print docs/configuration.md, the same reference as Markdown (make docs writes it)")
-
-
-def run(args, overrides: list[str]) -> int:
-    cfg = load_config(args.config, overrides)  # checked even when only the reference is printed
-    if args.describe or args.markdown:
-        from hvctr import config_docs
-
-        print(config_docs.describe() if args.describe else config_docs.markdown(), end="")
-        return 0
-    print(to_toml(cfg), end="")
-    return 0

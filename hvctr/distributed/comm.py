@@ -32,8 +32,8 @@ import torch
 
 import horovod.torch as hvd
 
-from hvctr.dist.watchdog import CollectiveWatchdog
-from hvctr.dist.world import agree_on, world_rank  # noqa: F401 (world_rank: callers import it here)
+from hvctr.distributed.watchdog import CollectiveWatchdog
+from hvctr.distributed.world import agree_on, world_rank  # noqa: F401 (world_rank: callers import it here)
 
 T = TypeVar("T")
 

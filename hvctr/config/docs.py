@@ -1,6 +1,6 @@
-"""What each config key means, read from the comments beside its field in hvctr/config.py.
+"""What each config key means, read from the comments beside its field in hvctr/config/__init__.py.
 
-The comments in hvctr/config.py are the one place a key is documented: the line comment after
+The comments in hvctr/config/__init__.py are the one place a key is documented: the line comment after
 a field and the comment lines right above it. This module reads them back, so that
 ``hvctr config --describe`` (each key, its default and its doc) and docs/configuration.md
 (``hvctr config --markdown``, checked by tests/unit/test_config_docs.py) say the same.
@@ -29,13 +29,13 @@ SECTION_DOCS = {
     "model": "The network on top of the embeddings (hvctr.models).",
     "data": "The data_prep output to read, and the batch (hvctr.train.feed).",
     "train": "The run: its directory, epochs, optimiser, device, time-outs (hvctr.train).",
-    "checkpoint": "When checkpoints are written and how many are kept (hvctr.train.checkpoint).",
-    "metrics": "Progress lines, metrics.jsonl and validation during training (hvctr.train.meter, hvctr.train.metrics).",
+    "checkpoint": "When checkpoints are written and how many are kept (hvctr.checkpoint.format).",
+    "metrics": "Progress lines, metrics.jsonl and validation during training (hvctr.train.meter, hvctr.metrics).",
 }
 
 HEADER = """# Configuration reference
 
-Generated from the comments in `hvctr/config.py` by `hvctr config --markdown > docs/configuration.md`
+Generated from the comments in `hvctr/config/__init__.py` by `hvctr config --markdown > docs/configuration.md`
 (`make docs`); do not edit by hand: `tests/unit/test_config_docs.py` fails when it is out of date.
 `hvctr config --describe` prints the same on a terminal.
 
@@ -115,7 +115,7 @@ class Key:
 
 
 def keys() -> list[Key]:
-    """Every config key, in the order of hvctr/config.py, with its type, default and doc."""
+    """Every config key, in the order of hvctr/config/__init__.py, with its type, default and doc."""
     out = []
     for section, cls in _sections().items():
         docs, types, defaults = _comments(cls), typing.get_type_hints(cls), cls()

@@ -31,32 +31,14 @@ from typing import Mapping, NamedTuple
 import h5py
 import numpy as np
 
-from hvctr.formats import FORMAT, NUM_DENSE, NUM_FIELDS, SAMPLE_BYTES, SPLITS, SUPPORTED_VERSIONS
+from hvctr.data.manifest import load_manifest, manifest_digest
+from hvctr.formats import NUM_DENSE, NUM_FIELDS, SAMPLE_BYTES, SPLITS
 
 
 class Batch(NamedTuple):
     labels: np.ndarray  # float32 [B]
     dense: np.ndarray  # float32 [B, 13]
     keys: np.ndarray  # uint64 [B, 26]
-
-
-def load_manifest(data_dir: str) -> dict:
-    """The manifest of a complete data_prep output directory."""
-    path = os.path.join(data_dir, "manifest.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: no data_prep manifest (is {data_dir} a data_prep output directory?)")
-    try:
-        with open(path) as f:
-            m = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: unreadable manifest: {e}") from e
-    if m.get("format") != FORMAT or m.get("format_version") not in SUPPORTED_VERSIONS:
-        raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}; "
-                         f"this reader takes {FORMAT!r} versions {SUPPORTED_VERSIONS}")
-    if m.get("state") != "complete":
-        raise ValueError(f"{path}: data_prep has not finished (state {m.get('state')!r}); "
-                         "run the same data_prep command again to complete it")
-    return m
 
 
 def dataset_checksum(dset: h5py.Dataset, rows_per_read: int = 1 << 18) -> str:
@@ -84,11 +66,6 @@ def file_identity(path: str) -> dict[str, int]:
     """What a stamp records of a file: a change of any of these means check it again."""
     st = os.stat(path)
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
-
-
-def manifest_digest(data_dir: str) -> str:
-    with open(os.path.join(data_dir, "manifest.json"), "rb") as f:
-        return "sha256:" + hashlib.sha256(f.read()).hexdigest()
 
 
 def _stamp_candidates(data_dir: str, run_dir: str | Path | None) -> list[Path]:

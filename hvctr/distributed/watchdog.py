@@ -24,7 +24,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from hvctr.dist.world import abort_job
+from hvctr.distributed.world import abort_job
 
 EXIT_STALLED = 3  # the exit status of a job the watchdog ended
 

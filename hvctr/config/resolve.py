@@ -1,0 +1,48 @@
+"""The settings that depend on the world size, resolved from the config for a run of W ranks:
+every rank, a resumed run, the simulation and the planner resolve them the same way.
+
+- ``size_batch``: with ``data.global_batch_size`` set (> 0), each rank takes G / W rows a step, so
+  W ranks take the steps one rank would, on the same samples;
+- ``batch_growth``: the global batch over one rank's (W, or 1 at a fixed global batch), the factor
+  the learning-rate rules of hvctr.train.lr scale by;
+- ``resolve_merge``: ``merge.dense_every_steps = -1`` (auto) at this world size (why the dense
+  model merges inside the window at many ranks: docs/merging.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hvctr.config import Compression, Config, DataConfig, MergeConfig, MergeMode
+
+AUTO_DENSE_RANKS = 32  # merge.dense_every_steps = -1 merges the dense model every 4 steps from here on
+AUTO_DENSE_EVERY = 4
+
+
+def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
+    """The merge settings a run of ``world_size`` ranks uses: ``dense_every_steps = -1`` (auto)
+    becomes 4 steps with float16 moves (``compression = fp16``) in kstep mode from
+    AUTO_DENSE_RANKS ranks on, else 0 (the dense model merges at the window's end)."""
+    if cfg.dense_every_steps >= 0:
+        return cfg
+    if cfg.mode is MergeMode.KSTEP and world_size >= AUTO_DENSE_RANKS and cfg.every_k_steps > AUTO_DENSE_EVERY:
+        return dataclasses.replace(cfg, dense_every_steps=AUTO_DENSE_EVERY, compression=Compression.FP16)
+    return dataclasses.replace(cfg, dense_every_steps=0)
+
+
+def batch_growth(data: DataConfig, world_size: int) -> int:
+    """How many times one rank's batch the global batch is: W, or 1 where ``data.global_batch_size``
+    fixes the global batch (W ranks then take the steps one rank would, on the same samples)."""
+    return 1 if data.global_batch_size else world_size
+
+
+def size_batch(cfg: Config, size: int) -> Config:
+    """``cfg`` with ``data.batch_size_per_rank`` = ``data.global_batch_size`` / W where the global
+    batch is fixed (> 0): the same steps over the same samples at any rank count."""
+    g = cfg.data.global_batch_size
+    if g == 0:
+        return cfg
+    if g % size:
+        raise ValueError(f"config key 'data.global_batch_size': {g} is not a multiple of the world size {size}: "
+                         f"each rank takes global / W rows per step (set it to {max(size, g // size * size)})")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size_per_rank=g // size))

@@ -1,0 +1,52 @@
+"""The data directory's manifest.json (what ``python -m data_prep`` writes last): one reader for
+data_prep's resume (a manifest of an unfinished run) and for everything that reads finished data
+(the shard reader, the planner, preflight, the run identity)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from hvctr.formats import FORMAT, SUPPORTED_VERSIONS
+
+MANIFEST_NAME = "manifest.json"
+
+
+def read_manifest(path: str, *, complete: bool = True) -> dict | None:
+    """The manifest at ``path``, checked to be a data_prep manifest of a version this reader
+    takes. ``complete``: it must record a finished run (a missing file is an error); otherwise
+    a missing file is None (data_prep's first session) and an unfinished run is returned as it is."""
+    if not os.path.isfile(path):
+        if not complete:
+            return None
+        data_dir = os.path.dirname(path) or "."
+        raise ValueError(f"{path}: no data_prep manifest (is {data_dir} a data_prep output directory?)")
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        hint = "" if complete else "; delete the directory to start over"
+        raise ValueError(f"{path}: unreadable manifest: {e}{hint}") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a data_prep manifest (format {m.get('format') if isinstance(m, dict) else None!r})")
+    if m.get("format_version") not in SUPPORTED_VERSIONS:
+        raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}; "
+                         f"this reader takes {FORMAT!r} versions {SUPPORTED_VERSIONS}")
+    if complete and m.get("state") != "complete":
+        raise ValueError(f"{path}: data_prep has not finished (state {m.get('state')!r}); "
+                         "run the same data_prep command again to complete it")
+    return m
+
+
+def load_manifest(data_dir: str) -> dict:
+    """The manifest of a complete data_prep output directory."""
+    m = read_manifest(os.path.join(data_dir, MANIFEST_NAME), complete=True)
+    assert m is not None
+    return m
+
+
+def manifest_digest(data_dir: str) -> str:
+    """sha256 of the manifest file's bytes (what a verification stamp is checked against)."""
+    with open(os.path.join(data_dir, MANIFEST_NAME), "rb") as f:
+        return "sha256:" + hashlib.sha256(f.read()).hexdigest()
