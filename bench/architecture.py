@@ -15,29 +15,55 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOPS = ("hvctr", "data_prep", "bench")
-# Where each package sits in the drawing: (column, row), row 0 at the top.
-POSITION = {
-    "hvctr.cli": (2.5, 0), "hvctr.sim": (0.6, 0),
-    "data_prep": (0, 1), "hvctr.train": (1.5, 1), "hvctr.offline": (2.5, 1), "hvctr.plan": (3.5, 1),
-    "hvctr.topo": (4.5, 1), "bench": (6, 1),
-    "hvctr.models": (0.7, 2), "hvctr.optim": (2.0, 2), "hvctr.storage": (3.3, 2), "hvctr.distributed": (4.8, 2),
-    "hvctr.kernels": (2.5, 3), "hvctr.config": (4.5, 3),
-    "hvctr.formats": (2.5, 4),
-}
+# The layers, lowest first: a package imports only packages of a lower layer (tests/unit/test_layers.py
+# holds the code to it, so there is no import circle and nothing imports upward). A new package
+# gets a layer here before it is imported anywhere. The drawing puts layer 0 at the bottom.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("hvctr.formats", "hvctr.log"),
+    ("hvctr.config", "hvctr.kernels", "hvctr.data", "hvctr.metrics"),
+    ("hvctr.distributed", "hvctr.models", "hvctr.optim", "hvctr.rundir", "hvctr.topo"),
+    ("hvctr.storage", "hvctr.checkpoint"),
+    ("hvctr.plan",),
+    ("hvctr.train",),
+    ("hvctr.sim", "hvctr.offline", "hvctr.sweep"),
+    ("hvctr.cli",),
+)
+LAYER = {p: i for i, names in enumerate(LAYERS) for p in names}
+# Outside the runtime: data_prep (beside layer 2: it takes formats, data and log) and the workshop.
+OUTSIDE = {"data_prep": (0.0, 2), "bench": (9.0, 5)}
+
+
+def _positions() -> dict[str, tuple[float, int]]:
+    """(column, row) of every box, row 0 at the top: the runtime's layers from the top down."""
+    top = len(LAYERS) - 1
+    pos: dict[str, tuple[float, int]] = {}
+    for i, names in enumerate(LAYERS):
+        width = 1.9 * (len(names) - 1)
+        for j, p in enumerate(names):
+            pos[p] = (4.5 - width / 2 + 1.9 * j, top - i)
+    for p, (c, layer) in OUTSIDE.items():
+        pos[p] = (c, top - layer)
+    return pos
+
+
+POSITION = _positions()
 ROLE = {
-    "hvctr.cli": "the hvctr command", "hvctr.sim": "W ranks in one process", "data_prep": "raw logs -> shards", "hvctr.train": "the window loop",
-    "hvctr.offline": "export, score, reshard", "hvctr.plan": "sizes and times", "hvctr.topo": "hardware maps",
-    "bench": "the workshop", "hvctr.models": "DNN, DeepFM, W&D", "hvctr.optim": "sparse + dense Adam",
-    "hvctr.storage": "SSD / cache / exchange", "hvctr.distributed": "Horovod, MPI, logs", "hvctr.kernels": "C hot loops",
-    "hvctr.config": "run config", "hvctr.formats": "data, key, row (the leaf)",
+    "hvctr.cli": "the hvctr command", "hvctr.sim": "W ranks in one process", "data_prep": "raw logs -> shards",
+    "hvctr.train": "the window loop", "hvctr.offline": "export, score, reshard", "hvctr.plan": "sizes and times",
+    "hvctr.sweep": "hyperparameter search", "hvctr.topo": "hardware maps", "bench": "the workshop",
+    "hvctr.models": "DNN, DeepFM, W&D", "hvctr.optim": "sparse + dense Adam", "hvctr.storage": "SSD / cache / exchange",
+    "hvctr.checkpoint": "base + deltas, manifests", "hvctr.distributed": "Horovod, MPI, watchdog",
+    "hvctr.rundir": "run dir: lock, identity", "hvctr.kernels": "C hot loops", "hvctr.config": "run config, resolved",
+    "hvctr.data": "data shards, manifest", "hvctr.metrics": "AUC, logloss, COPC", "hvctr.log": "rank-aware logs",
+    "hvctr.formats": "data, key, row (the leaf)",
 }
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every module an import in the file names (absolute; relative imports resolved);
-    ``from a import b`` names both a and a.b (b may be a module)."""
+def imports_of(path: Path, root: Path = REPO) -> set[str]:
+    """Every module an import in the file names (absolute; relative imports resolved against the
+    file's place under ``root``); ``from a import b`` names both a and a.b (b may be a module)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    package = path.relative_to(REPO).with_suffix("").parts[:-1]
+    package = path.relative_to(root).with_suffix("").parts[:-1]
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -50,9 +76,9 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
-def module_imports(top: str) -> dict[str, set[str]]:
-    """{file relative to the checkout: modules it imports} for every module under ``top``."""
-    return {str(p.relative_to(REPO)): imports_of(p) for p in sorted((REPO / top).rglob("*.py"))}
+def module_imports(top: str, root: Path = REPO) -> dict[str, set[str]]:
+    """{file relative to ``root`` (the checkout): modules it imports} for every module under ``top``."""
+    return {str(p.relative_to(root)): imports_of(p, root) for p in sorted((root / top).rglob("*.py"))}
 
 
 def package_of(name: str) -> str | None:
@@ -68,11 +94,11 @@ def package_of(name: str) -> str | None:
     return "hvctr.cli" if box in ("hvctr.__main__", "hvctr.__init__") else box
 
 
-def package_edges() -> Counter:
+def package_edges(root: Path = REPO) -> Counter:
     """(importer, imported) package pairs, counted by import statements' names."""
     edges: Counter = Counter()
     for top in TOPS:
-        for f, names in module_imports(top).items():
+        for f, names in module_imports(top, root).items():
             a = package_of(f)
             for m in names:
                 b = package_of(m)
@@ -94,7 +120,7 @@ def draw(out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(12, 6.5))
+    fig, ax = plt.subplots(figsize=(14, 8))
     xy = {p: (c * 2.1, -r * 1.45) for p, (c, r) in POSITION.items()}
     edges, dispatch = package_edges(), dispatch_edges()
     missing = sorted({p for e in list(edges) + dispatch for p in e} - set(xy))
@@ -109,12 +135,14 @@ def draw(out: Path) -> None:
         (x0, y0), (x1, y1) = xy[a], xy[b]
         ax.annotate("", xy=(x1, y1 + 0.28), xytext=(x0, y0 - 0.28),
                     arrowprops=dict(arrowstyle="->", color="#1f77b4", lw=1.0, ls="--", shrinkA=4, shrinkB=4))
+    for i in range(len(LAYERS)):
+        ax.text(-1.1, -(len(LAYERS) - 1 - i) * 1.45, f"layer {i}", ha="left", va="center", fontsize=7, color="#888")
     for p, (x, y) in xy.items():
         colour = "#fdebd0" if p in ("bench", "data_prep") else ("#d5f5e3" if p == "hvctr.formats" else "#eaf2f8")
         ax.text(x, y, f"{p}\n{ROLE[p]}", ha="center", va="center", fontsize=8.5,
                 bbox=dict(boxstyle="round,pad=0.4", fc=colour, ec="#444"))
-    ax.set_xlim(-1.2, 13.8)
-    ax.set_ylim(-6.4, 0.8)
+    ax.set_xlim(-1.2, 22.0)
+    ax.set_ylim(-len(LAYERS) * 1.45 + 0.6, 0.8)
     ax.axis("off")
     ax.set_title("hvctr packages: an arrow is an import (thicker: more of them); dashed: the cli dispatches "
                  "by name, importing only the command run", fontsize=9)

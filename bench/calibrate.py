@@ -13,7 +13,7 @@ is measured is hvctr's own code on the sizes training uses:
 - a whole local step of the default DNN on a batch of 4096 (as the trainer runs it), and its
   parts: the dense Adam step, gather_rows + sum_rows_grad per batch key, sparse_adam_step
   per row; the rest of the step, loss and Python included, is the dense FLOP rate;
-- distinct uint64 keys with inverse (hvctr.formats.unique_in_order); host memory copies;
+- distinct uint64 keys with inverse (hvctr.kernels.unique.unique_in_order); host memory copies;
 - an EmbeddingStore on a fresh shard: rows created, cache hits, cache writes, shard rows
   warmed from the page cache; and random rows of a larger shard warmed from the disk (its
   pages dropped from the page cache, the store reopened);

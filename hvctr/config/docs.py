@@ -3,7 +3,7 @@
 The comments in hvctr/config/__init__.py are the one place a key is documented: the line comment after
 a field and the comment lines right above it. This module reads them back, so that
 ``hvctr config --describe`` (each key, its default and its doc) and docs/configuration.md
-(``hvctr config --markdown``, checked by tests/unit/test_config_docs.py) say the same.
+(``hvctr config --markdown``, checked by tests/unit/test_cli_options.py) say the same.
 
     describe()        # text, one block per key
     markdown()        # the whole of docs/configuration.md
@@ -36,7 +36,7 @@ SECTION_DOCS = {
 HEADER = """# Configuration reference
 
 Generated from the comments in `hvctr/config/__init__.py` by `hvctr config --markdown > docs/configuration.md`
-(`make docs`); do not edit by hand: `tests/unit/test_config_docs.py` fails when it is out of date.
+(`make docs`); do not edit by hand: `tests/unit/test_cli_options.py` fails when it is out of date.
 `hvctr config --describe` prints the same on a terminal.
 
 A run's configuration is one TOML file of `[section]` tables (presets: `slurm/configs/`), and

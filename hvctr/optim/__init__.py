@@ -1,6 +1,6 @@
 """Optimisers: lazy Adam with per-row steps on embedding rows, and the dense Adam's state order.
 
-- ``sparse_adam``: rows laid out as DESIGN.md's row, ``[w (D) | w1 | m (D+1) | v (D+1) | step]``
+- ``sparse_adam``: rows laid out as hvctr.formats.RowLayout (docs/storage.md), ``[w (D) | w1 | m (D+1) | v (D+1) | step]``
   float32; one Adam step on the rows a batch touched, each with its own step count (a row seen
   for the first time gets a bias-corrected first step, as Paddle's sparse Adam keeps beta
   powers per row). Also the batch's gather of rows and the sum of its gradients per row.

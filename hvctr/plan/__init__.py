@@ -4,7 +4,7 @@ Owns ``hvctr plan`` (cmd.py), its arithmetic (model.py: sizes from the storage f
 from the exchange code, seconds from rates), the key-frequency models that size a window's
 working set (keyfreq.py: Zipf, or the unique-key curve measured on a data_prep output), the
 rates of a node type (rates.py: TOML, measured by calibrate.py, ``hvctr bench --calibrate``)
-and the check of the model against real runs on this machine (check.py).
+and the check of the model against real runs on this machine (bench/plan_check.py).
 
     hardware map --> node: cpus, memory, GPUs, SSDs (hvctr.topo placement plan)
     job (keys, dim, batch, k, cache) + key curve D(n) --> rows, bytes per rank and per step

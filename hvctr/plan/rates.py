@@ -32,7 +32,7 @@ DOC = {
     "sparse_keys_per_s": "gather of a batch's rows + per-row gradient sum, batch keys/s",
     "sparse_rows_per_s": "lazy Adam on embedding rows, rows/s",
     "step_overhead_s": "per training step besides the above (loss, Python, allocation)",
-    "unique_keys_per_s": "distinct keys with inverse, one hash pass (hvctr.formats.unique_in_order: windows, routing, merge), keys/s",
+    "unique_keys_per_s": "distinct keys with inverse, one hash pass (hvctr.kernels.unique.unique_in_order: windows, routing, merge), keys/s",
     "cache_rows_per_s": "store reads answered by the CPU cache, rows/s",
     "cache_write_rows_per_s": "store writes into the CPU cache, rows/s",
     "new_rows_per_s": "rows created: init from the key, shard index insert, cache insert, rows/s",
@@ -112,13 +112,8 @@ def _check_entry(raw: dict, where: str) -> Rates:
 
 def load_rates(path: str | Path) -> RatesFile:
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"rates file {path} does not exist: measure this machine with `hvctr bench --calibrate "
-                         f"--rates {path}`, or write one (see slurm/rates/)")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"rates file {path}: {e}") from None
+    raw = read_toml(path, "rates file", f": measure this machine with `hvctr bench --calibrate --rates {path}`, "
+                                        f"or write one (see slurm/rates/)")
     unknown = sorted(set(raw) - {"name", "source", "rates"})
     if unknown:
         raise ValueError(f"rates file {path}: unknown top-level key(s) {unknown}; valid: name, source, [[rates]]")

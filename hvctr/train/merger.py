@@ -23,12 +23,9 @@ the same start, so every rank gets the same average.
 
 ``merge.dense_every_steps`` merges the dense model more often than the rows: the trainer calls
 merge() inside the window too (its flags are ignored there; requests are read at the window's
-end). Why: on the 4M-row set at a fixed global batch, W = 64, the whole AUC gap of k-step
-merging to one rank comes from the dense model's k local steps (dense gradients averaged every
-step, rows merged every k: -0.0003 at k = 8, -0.0001 at k = 32, against -0.0022 and -0.0034
-with both merged every k). Its default (-1, auto; hvctr.config.resolve.resolve_merge) merges every 4
-steps with the moves in float16 from 32 ranks on: the bytes of one float32 merge per window of
-8, -0.0019 and -0.0021 there; at 16 ranks and below the gap is within 0.0002 without it.
+end). Its default (-1, auto) is resolved by hvctr.config.resolve.resolve_merge. Why the dense
+model merges more often than the rows at many ranks, and what it recovers (measured, with the
+data set, global batch and steps a rank of each figure): docs/merging.md and BENCHMARKS.md.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def random_lines(n: int, seed: int, p_bad: float = 0.15) -> list[str]:
 
 
 def test_key_rule_is_designs():
-    # DESIGN.md: mix64((field << 56) ^ int(hex, 16)); the reference key_of must say the same
+    # the key rule (docs/data.md): mix64((field << 56) ^ int(hex, 16)); the reference key_of must say the same
     ref = lambda f, v: int(mix64(np.array([((f << 56) ^ v) & (2**64 - 1)], dtype=np.uint64))[0])
     assert formats.key_of(0, "05db9164") == ref(0, 0x05DB9164)
     assert formats.key_of(25, "ABCdef12") == ref(25, 0xABCDEF12)
