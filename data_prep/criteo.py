@@ -162,7 +162,7 @@ def run_job(comm: Comm, job: Job) -> int:
             plan = tracker.plan()
         except ValueError as e:
             err = str(e)
-    plan, err = comm.bcast((plan, err))
+    plan, err = comm.broadcast_object((plan, err), 0, "plan")
     if err:
         raise _SharedError(err)
     if plan.complete:
@@ -182,7 +182,7 @@ def run_job(comm: Comm, job: Job) -> int:
             asm = tracker.assembly()
         except ValueError as e:
             err = str(e)
-    asm, err = comm.bcast((asm, err))
+    asm, err = comm.broadcast_object((asm, err), 0, "assembly")
     if err:
         raise _SharedError(err)
     progress.start_phase("assemble", sum(sum(asm.rows[s][i] for s in SPLITS) for i in asm.todo))
@@ -193,7 +193,7 @@ def run_job(comm: Comm, job: Job) -> int:
         for rec in recs:
             comm.post(("shard", rec))
     _end_phase(comm, tracker, progress)
-    cpu = comm.allgather(work_cpu)  # comm: each process's CPU seconds of work, for the record
+    cpu = comm.allgather_object(work_cpu, "work_cpu")  # comm: each process's CPU seconds of work, for the record
     if comm.rank == 0:
         tracker.manifest["sessions"][-1]["work_cpu_s"] = [round(c, 3) for c in cpu]
         tracker.finish(t0)

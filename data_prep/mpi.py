@@ -1,6 +1,8 @@
 """Processes of a data_prep job: MPI when launched by mpirun/srun, one plain process otherwise.
 
-This is the only module of data_prep that imports mpi4py. Besides a few collectives, workers
+This is the only module of data_prep that imports mpi4py. Both classes implement
+``hvctr.distributed.protocol.ObjectComm`` (rank, size, broadcast_object, allgather_object,
+barrier), the collectives they share with training's communicators. Besides these, workers
 report to rank 0 through ``post`` (a non-blocking send) and rank 0 reads them with ``drain``
 between its own blocks of work: rank 0 alone writes the manifest and prints progress, and no
 rank ever waits for another until a phase ends.
@@ -23,16 +25,16 @@ def launched_by_mpi() -> bool:
 class Comm:
     """One process: every collective is the identity, posts go straight to the inbox."""
 
-    rank = 0
-    size = 1
+    rank: int = 0
+    size: int = 1
 
     def __init__(self) -> None:
         self._inbox: list[Any] = []
 
-    def bcast(self, obj: Any) -> Any:
+    def broadcast_object(self, obj: Any, root: int = 0, name: str = "") -> Any:
         return obj
 
-    def allgather(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: Any, name: str = "") -> list[Any]:
         return [obj]
 
     def barrier(self) -> None:
@@ -62,10 +64,10 @@ class MPIComm(Comm):
         self.size = self._comm.Get_size()
         self._pending: list[Any] = []
 
-    def bcast(self, obj: Any) -> Any:
-        return self._comm.bcast(obj, root=0)  # comm: rank 0's plan / manifest to every process
+    def broadcast_object(self, obj: Any, root: int = 0, name: str = "") -> Any:
+        return self._comm.bcast(obj, root=root)  # comm: rank 0's plan / manifest to every process
 
-    def allgather(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: Any, name: str = "") -> list[Any]:
         return self._comm.allgather(obj)  # comm: one small object from every process
 
     def barrier(self) -> None:

@@ -12,13 +12,13 @@ was last written in, its dense state (parameters, Adam moments and step: with
 ``merge.states = params`` the moments differ per rank), its admission counters, the TTL pass
 clock and the bucket table (which rank owns which virtual bucket: ``hvctr reshard`` rewrites
 it), under a temporary name, then renames the file. The file's space is reserved first
-(posix_fallocate), so a full disk is a clear error that leaves nothing behind, never a crash
-inside HDF5. Rank 0 gathers the files' checksums and writes manifest.json last (temporary
-name, rename): the manifest is the completion marker, and carries the sha256 of its own
-content (``manifest_sha256``), so a flipped bit that leaves it valid JSON is caught too. A
-directory without a manifest, or whose checksums do not match, is not a checkpoint; resume
-falls back to the newest complete one and moves the newer ones to rejected/ (this run will
-write new ones under their numbers).
+(posix_fallocate, ``hvctr.formats.h5alloc``), so a full disk is a clear error that leaves
+nothing behind, never a crash inside HDF5. Rank 0 gathers the files' checksums and writes
+manifest.json last (temporary name, rename): the manifest is the completion marker, and
+carries the sha256 of its own content (``manifest_sha256``), so a flipped bit that leaves it
+valid JSON is caught too. A directory without a manifest, or whose checksums do not match, is
+not a checkpoint; resume falls back to the newest complete one and moves the newer ones to
+rejected/ (this run will write new ones under their numbers).
 
 The working shard is only a working copy: after a crash it may hold rows written after the
 last checkpoint (evictions write back), so resume rebuilds it from the base and the deltas of
@@ -44,6 +44,7 @@ import numpy as np
 from hvctr.formats import default_bucket_owner
 from hvctr.log import get_logger
 from hvctr.kernels import native
+from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
 from hvctr.formats.space import check_free_space
 
 log = get_logger(__name__)
@@ -179,19 +180,6 @@ class CheckpointWriteError(ValueError):
     rank file's temporary file, or the checkpoint's directory when its manifest failed)."""
 
 
-def _early_dcpl() -> h5py.h5p.PropDCID:
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # storage (and a file offset) exist at once
-    return dcpl
-
-
-def _pwrite(fd: int, array: np.ndarray, offset: int) -> None:
-    view = memoryview(np.ascontiguousarray(array)).cast("B")
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
 def write_reserved(path: Path, attrs: dict[str, Any], n_rows: int, width: int, parts,
                    arrays: dict[str, np.ndarray]) -> None:
     """Writes a rank file under a temporary name, space reserved first, then renames it.
@@ -212,24 +200,18 @@ def write_reserved(path: Path, attrs: dict[str, Any], n_rows: int, width: int, p
         with h5py.File(tmp, "w", libver=("v110", "v110"), track_order=True) as f:
             f.attrs.update(attrs)
             f.create_group("dense", track_order=True)
-            offsets = {name: f.create_dataset(name, shape=sh, dtype=dt, dcpl=_early_dcpl(), fill_time="never",
-                                              track_times=False).id.get_offset() for name, (sh, dt) in specs.items()}
-        fd = os.open(tmp, os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+            offsets = {name: create_early(f, name, sh, dt).id.get_offset() for name, (sh, dt) in specs.items()}
+        with reserved(tmp, fsync=True) as fd:
             for name, a in arrays.items():
                 if a.size:
-                    _pwrite(fd, a, offsets[name])
+                    pwrite_all(fd, a, offsets[name])
             stride = {name: np.dtype(dt).itemsize * int(np.prod(sh[1:])) for name, (sh, dt) in specs.items()}
             n = 0
             for keys, rows, last_seen in parts:
                 for name, a in (("keys", keys), ("rows", rows), ("last_seen", last_seen)):
-                    _pwrite(fd, a.astype(specs[name][1], copy=False), offsets[name] + n * stride[name])
+                    pwrite_all(fd, a.astype(specs[name][1], copy=False), offsets[name] + n * stride[name])
                 n += keys.shape[0]
             assert n == n_rows, f"{n} rows written, {n_rows} counted: the store changed during a checkpoint"
-            os.fsync(fd)
-        finally:
-            os.close(fd)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -27,13 +27,15 @@ from hvctr.log import get_logger
 if TYPE_CHECKING:
     import torch
 
+    from hvctr.distributed.protocol import Comm
+
 log = get_logger(__name__)
 
 
 class CheckpointManager:
     """Writes, finds, verifies and loads checkpoints for one rank (collectives through comm)."""
 
-    def __init__(self, directory: str | Path, comm, keep: int, compact_every: int) -> None:
+    def __init__(self, directory: str | Path, comm: Comm, keep: int, compact_every: int) -> None:
         self.dir = Path(directory)
         self.comm = comm
         self.keep = keep

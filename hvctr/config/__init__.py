@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from hvctr.formats.tomlfile import read_toml
 
 
 class MergeMode(str, enum.Enum):
@@ -315,12 +316,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     tree: dict[str, dict[str, Any]] = {}
     if path:
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {path} does not exist")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {path}: {e}") from None
+        raw = read_toml(path, "config file")
         for section, body in raw.items():
             if not isinstance(body, dict):
                 raise ValueError(f"{path}: top-level key {section!r} must be a [section]; valid: {sorted(_sections())}")

@@ -66,6 +66,8 @@ def _unstaged(tensors: Sequence[torch.Tensor], devices: list[torch.device] | Non
 
 @dataclass
 class Comm:
+    """hvctr.distributed.protocol.Comm over Horovod: made by ``init_comm``."""
+
     rank: int
     size: int
     local_rank: int

@@ -17,8 +17,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hvctr.distributed.protocol import ObjectComm
+
+T = TypeVar("T")
 
 
 class AgreedError(ValueError):
@@ -157,7 +163,7 @@ def abort_job(code: int) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
-def agree_on(comm, fn, name: str):
+def agree_on(comm: ObjectComm, fn: Callable[[], T], name: str) -> T:
     """``fn()`` on every rank of ``comm``; if it raised ValueError on any, every rank raises
     AgreedError (rank 0 reports each distinct message once, with its ranks). The body of
     ``Comm.agree`` and of the simulation's ``ThreadComm.agree``. ``fn`` must not communicate."""

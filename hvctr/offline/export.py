@@ -42,6 +42,7 @@ import numpy as np
 
 from hvctr.checkpoint.format import file_sha256, write_manifest
 from hvctr.config import Config, load_config, to_dict
+from hvctr.formats import RowLayout
 from hvctr.log import get_logger
 from hvctr.offline.reader import CheckpointReader
 
@@ -135,9 +136,10 @@ def dequantize_int8_rowwise(q: np.ndarray, scale_bias: np.ndarray) -> np.ndarray
 def _write_sparse(path: Path, reader: CheckpointReader, rank: int, dim: int, owner: np.ndarray,
                   row_format: str = "float32") -> tuple[int, int]:
     """Rank ``rank``'s model columns, sorted by key, in ``row_format``: (rows, bytes of rows)."""
-    parts = [(k, r[:, :dim + 1]) for k, r, _ in reader.rows(rank)]
+    layout = RowLayout(dim)
+    parts = [(k, r[:, layout.model]) for k, r, _ in reader.rows(rank)]
     keys = np.concatenate([k for k, _ in parts]) if parts else np.zeros(0, np.uint64)
-    weights = np.concatenate([w for _, w in parts]) if parts else np.zeros((0, dim + 1), np.float32)
+    weights = np.concatenate([w for _, w in parts]) if parts else np.zeros((0, layout.model_width), np.float32)
     order = np.argsort(keys, kind="stable")
     weights = np.ascontiguousarray(weights[order], dtype=np.float32)
     if row_format == "int8":

@@ -36,11 +36,10 @@ from hvctr.formats.lines import parse_block
 from hvctr.formats.sources import Unit, iter_blocks, open_sources
 from hvctr.checkpoint.format import file_sha256, read_manifest
 from hvctr.config import ModelArch, ModelConfig
-from hvctr.formats import owner_of
 from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
 from hvctr.offline.export import FORMAT, FORMAT_VERSION, ROW_FORMATS, dequantize_int8_rowwise
-from hvctr.formats import RowLayout, init_rows
+from hvctr.formats import RowLayout, init_rows, owner_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,7 +153,7 @@ class ExportedModel:
                 continue
             pos = np.minimum(np.searchsorted(tk, keys[sel]), tk.size - 1)
             hit = tk[pos] == keys[sel]
-            out[sel[hit], :self.dim + 1] = tw[pos[hit]]
+            out[sel[hit], self.layout.model] = tw[pos[hit]]
             found[sel[hit]] = True
         if self.unseen["row"] == "init":  # else: the shared zero row, as out already holds
             miss = np.flatnonzero(~found)

@@ -69,7 +69,7 @@ def sparse_adam_step(rows: Tensor, idx: Tensor, grad: Tensor, lr: float, beta1: 
     step count goes up by one and its bias correction uses it; every other row stays bit-equal.
     """
     assert rows.dtype == torch.float32 and grad.dtype == torch.float32, (rows.dtype, grad.dtype)
-    c = dim_of_width(rows.shape[1]) + 1
+    c = RowLayout.of_width(rows.shape[1]).model_width
     if grad.shape != (idx.numel(), c):
         raise ValueError(f"grad has shape {tuple(grad.shape)}, expected ({idx.numel()}, {c})")
     idx = idx.reshape(-1).long()
@@ -132,7 +132,8 @@ def gather_rows(rows: Tensor, pos: Tensor, dim: int) -> Tensor:
     The model reads ``[..., :dim]`` as embeddings and ``[..., dim]`` as w1; after backward its
     ``.grad`` is what sum_rows_grad reduces per row.
     """
-    c = dim + 1
+    lay = RowLayout(dim)
+    c = lay.model_width
     pos = pos.long().contiguous()
     if rows.dtype == torch.float32 and _native_ok(rows, pos):
         _check_index(pos, rows.shape[0], "gather_rows")
@@ -140,7 +141,7 @@ def gather_rows(rows: Tensor, pos: Tensor, dim: int) -> Tensor:
         out = torch.from_numpy(np.empty((*pos.shape, c), dtype=np.float32))
         _native.lib().hv_gather_rows(rows.data_ptr(), rows.shape[1], pos.data_ptr(), pos.numel(), c, out.data_ptr())
     else:
-        out = F.embedding(pos, rows[:, :c])
+        out = F.embedding(pos, rows[:, lay.model])
     return out.detach().requires_grad_()
 
 
@@ -165,6 +166,7 @@ def gather_embeddings(rows: Tensor, pos: Tensor, dim: int) -> tuple[Tensor, Tens
     into; w1 gets a gradient only where the model reads it (a DNN does not). Values and
     gradients are those of gather_rows, bit for bit.
     """
+    lay = RowLayout(dim)
     pos = pos.long().contiguous()
     if rows.dtype == torch.float32 and _native_ok(rows, pos):
         _check_index(pos, rows.shape[0], "gather_embeddings")
@@ -173,8 +175,8 @@ def gather_embeddings(rows: Tensor, pos: Tensor, dim: int) -> tuple[Tensor, Tens
         lib, width = _native.lib(), rows.shape[1]
         lib.hv_gather_split(rows.data_ptr(), width, pos.data_ptr(), pos.numel(), dim, emb.data_ptr(), w1.data_ptr())
     else:
-        emb = F.embedding(pos, rows[:, :dim])
-        w1 = F.embedding(pos, rows[:, dim:dim + 1]).squeeze(-1)
+        emb = F.embedding(pos, rows[:, lay.w])
+        w1 = F.embedding(pos, rows[:, lay.w1:lay.w1 + 1]).squeeze(-1)
     return emb.detach().requires_grad_(), w1.detach().requires_grad_()
 
 
@@ -186,23 +188,25 @@ def sum_embedding_grads(pos: Tensor, emb_grad: Tensor, w1_grad: Tensor | None,
     Each column is summed in the order of the batch's entries, as sum_rows_grad sums it.
     """
     uniq, inverse = unique if unique is not None else batch_unique(pos)
-    d = emb_grad.shape[-1]
+    lay = RowLayout(emb_grad.shape[-1])  # the gradient's columns are the row's model columns
+    d = lay.dim
     inv = inverse.reshape(-1).contiguous()
     ge = emb_grad.detach().reshape(-1, d).contiguous()
     if ge.shape[0] != inv.numel():
         raise ValueError(f"grad holds {ge.shape[0]} rows of gradients, positions {inv.numel()}")
     gw = None if w1_grad is None else w1_grad.detach().reshape(-1, 1).contiguous()
-    out = torch.zeros(uniq.numel(), d + 1, dtype=ge.dtype, device=ge.device)
+    out = torch.zeros(uniq.numel(), lay.model_width, dtype=ge.dtype, device=ge.device)
     if _native_ok(ge, inv) and ge.dtype == torch.float32 and (gw is None or _native_ok(gw)):
         _check_index(inv, uniq.numel(), "sum_embedding_grads")
         lib = _native.lib()
-        lib.hv_sum_rows_ld(inv.data_ptr(), inv.numel(), ge.data_ptr(), d, out.data_ptr(), d + 1)
+        c = lay.model_width
+        lib.hv_sum_rows_ld(inv.data_ptr(), inv.numel(), ge.data_ptr(), d, out.data_ptr(), c)
         if gw is not None:
-            lib.hv_sum_rows_ld(inv.data_ptr(), inv.numel(), gw.data_ptr(), 1, out.data_ptr() + 4 * d, d + 1)
+            lib.hv_sum_rows_ld(inv.data_ptr(), inv.numel(), gw.data_ptr(), 1, out.data_ptr() + 4 * lay.w1, c)
     else:
-        out[:, :d].index_put_((inv,), ge, accumulate=True)
+        out[:, lay.w].index_put_((inv,), ge, accumulate=True)
         if gw is not None:
-            out[:, d:].index_put_((inv,), gw, accumulate=True)
+            out[:, lay.w1:].index_put_((inv,), gw, accumulate=True)
     return uniq, out
 
 

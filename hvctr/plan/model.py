@@ -162,7 +162,7 @@ def sparse_bytes_per_window(u: float, world_size: int, dim: int, mode: MergeMode
     f = (world_size - 1) / world_size
     out = {"pull": u * f * (KEY_BYTES + row), "warm": u * f * KEY_BYTES if prefetch else 0.0}
     if mode is MergeMode.SYNC:
-        out["push"] = u * f * (KEY_BYTES + 4 * (dim + 1))
+        out["push"] = u * f * (KEY_BYTES + 4 * RowLayout(dim).model_width)
     else:
         out["push"] = u * f * (KEY_BYTES + row)
     return out
@@ -239,7 +239,7 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     one = dense_payload_bytes(P, job.mode, job.states, job.compression)
     dense_merge = job.dense_merges(k) * c.allreduce(one)  # each a grouped allreduce of its own
     if job.mode is MergeMode.SYNC:
-        grad_bytes = KEY_BYTES + 4 * (D + 1)
+        grad_bytes = KEY_BYTES + 4 * RowLayout(D).model_width
         merge = (dense_merge + 2 * c.unique(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
                  + c.cpu * u_o * (1 / r.cache_rows_per_s + 1 / r.sparse_rows_per_s + 1 / r.cache_write_rows_per_s))
     else:
@@ -375,7 +375,8 @@ def _device_bytes(job: Job, u: float, params: int) -> float:
     Adam's m and v + activations and their gradients (float32)."""
     B, D, F = job.batch_size_per_rank, job.dim, job.model.num_fields
     act = B * (F * D + job.model.num_dense + sum(job.model.hidden) + 1)
-    return u * RowLayout(D).row_bytes + 2 * B * F * (D + 1) * 4 + 4 * params * 4 + 2 * act * 4
+    layout = RowLayout(D)
+    return u * layout.row_bytes + 2 * B * F * layout.model_width * 4 + 4 * params * 4 + 2 * act * 4
 
 
 def _fits(p: Plan, shard_in_ram: bool) -> list[tuple[str, str, str]]:

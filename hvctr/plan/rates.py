@@ -24,6 +24,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from hvctr.formats.tomlfile import read_toml
+
 # field -> what it measures (written as a comment next to each value)
 DOC = {
     "ranks_per_node": "ranks that ran at once on the node when these were measured",

@@ -261,7 +261,8 @@ def _encode(obj: Any) -> str:
 
 
 class ThreadComm:
-    """One simulated rank's view of a ThreadWorld, with Comm's attributes and methods."""
+    """One simulated rank's view of a ThreadWorld, with Comm's attributes and methods: it
+    implements hvctr.distributed.protocol.Comm."""
 
     def __init__(self, world: ThreadWorld, rank: int) -> None:
         if not 0 <= rank < world.size:

@@ -22,7 +22,8 @@ HDF5 only describes the file: after creation the hot path maps the datasets by t
 offsets (``dset.id.get_offset()``), reads rows with np.memmap in sorted order, and writes rows
 and row_meta with os.pwrite (a write through mmap into a file on a full disk is a SIGBUS, not
 an error). h5py's fancy indexing is never used (1-2k rows/s chunked, against 0.7M rows/s by
-offset). The file is fully allocated at creation (HDF5 early allocation plus posix_fallocate),
+offset). The file is fully allocated at creation (HDF5 early allocation plus posix_fallocate:
+``hvctr.formats.h5alloc``, which the checkpoint's rank files use too),
 so a full disk fails then, not in the middle of training. Any h5py or h5dump reads it.
 
 Index entries are the exception: they are written through a shared map of the index. New
@@ -44,10 +45,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from hvctr.formats import EMPTY_KEY, NUM_BUCKETS, mix64
-from hvctr.storage import _probe
-from hvctr.formats import RowLayout
+from hvctr.formats import EMPTY_KEY, NUM_BUCKETS, RowLayout, mix64
+from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
 from hvctr.formats.space import check_free_space
+from hvctr.storage import _probe
 
 FORMAT_VERSION = 1
 BLOCK_BYTES = 4096
@@ -68,30 +69,14 @@ def num_slots_for(capacity: int, max_load_factor: float) -> int:
     return math.ceil(capacity / max_load_factor / SLOTS_PER_BLOCK) * SLOTS_PER_BLOCK
 
 
-def _early() -> h5py.h5p.PropDCID:
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # storage (and a file offset) exist at once
-    return dcpl
-
-
-def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
-    while buf.nbytes:
-        n = os.pwrite(fd, buf, offset)
-        buf, offset = buf[n:], offset + n
-
-
 def _reserve_and_clear_index(path: str, index_offset: int, num_slots: int) -> None:
     """Reserves every block of the file (posix_fallocate), then writes the index's empty marker."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    with reserved(path) as fd:
         empty = np.empty(min(num_slots, 1 << 16), dtype=INDEX_DTYPE)
         empty["key"], empty["row"] = EMPTY_KEY, -1
         for start in range(0, num_slots, empty.shape[0]):
             n = min(empty.shape[0], num_slots - start)
-            _pwrite_all(fd, memoryview(empty[:n]).cast("B"), index_offset + start * INDEX_DTYPE.itemsize)
-    finally:
-        os.close(fd)
+            pwrite_all(fd, memoryview(empty[:n]).cast("B"), index_offset + start * INDEX_DTYPE.itemsize)
 
 
 _COPY_ON_WRITE_FS = frozenset({"btrfs", "zfs", "bcachefs"})
@@ -166,7 +151,7 @@ def pwrite_runs(fd: int, base: int, item_bytes: int, pos: np.ndarray, data: np.n
 def _write_runs(fd: int, base: int, item_bytes: int, view: memoryview, at: np.ndarray,
                 lengths: np.ndarray, first: np.ndarray) -> None:
     for s, length, p in zip(at.tolist(), lengths.tolist(), first.tolist()):
-        _pwrite_all(fd, view[s * item_bytes:(s + length) * item_bytes], base + p * item_bytes)
+        pwrite_all(fd, view[s * item_bytes:(s + length) * item_bytes], base + p * item_bytes)
 
 
 def strictly_increasing(a: np.ndarray) -> bool:
@@ -273,16 +258,13 @@ class Shard:
                 a["world_size"], a["rank"] = world_size, rank
                 a["slot_seed"] = np.uint64(slot_seed_of(seed))
                 a["init_seed"], a["init_scale"], a["max_load_factor"] = seed, init_scale, max_load_factor
-                a["row_columns"] = f"w[{dim}] w1[1] m[{dim + 1}] v[{dim + 1}] step[1]"
+                c = layout.model_width
+                a["row_columns"] = f"w[{layout.dim}] w1[1] m[{c}] v[{c}] step[1]"
                 f.create_dataset("bucket_owner", data=bucket_owner, track_times=False)
-                index = f.create_dataset("index", shape=(num_slots,), dtype=INDEX_DTYPE, dcpl=_early(),
-                                         fill_time="never", track_times=False)
-                f.create_dataset("rows", shape=(capacity, layout.width), dtype="<f4", dcpl=_early(),
-                                 fill_time="never", track_times=False)
-                f.create_dataset("row_meta", shape=(capacity,), dtype=META_DTYPE, dcpl=_early(),
-                                 fill_time="never", track_times=False)
-                f.create_dataset("state", data=np.array([(0, 0, 0, 1)], dtype=STATE_DTYPE), dcpl=_early(),
-                                 track_times=False)
+                index = create_early(f, "index", (num_slots,), INDEX_DTYPE)
+                create_early(f, "rows", (capacity, layout.width), "<f4")
+                create_early(f, "row_meta", (capacity,), META_DTYPE)
+                create_early(f, "state", data=np.array([(0, 0, 0, 1)], dtype=STATE_DTYPE), fill_time=None)
                 index_offset = index.id.get_offset()
             _reserve_and_clear_index(tmp, index_offset, num_slots)
         except OSError as e:
@@ -418,7 +400,7 @@ class Shard:
     def save_state(self, clean: bool = False) -> None:
         self._require_writable()
         state = np.array([(self.n_rows, self.generation, self.pass_index, int(clean))], dtype=STATE_DTYPE)
-        _pwrite_all(self._fd, memoryview(state).cast("B"), self._off["state"])
+        pwrite_all(self._fd, memoryview(state).cast("B"), self._off["state"])
 
     def drop_page_cache(self) -> None:
         """Asks the kernel to drop this file's clean pages (for cold-read benchmarks)."""

@@ -20,12 +20,12 @@ load: a typo or a value the config refuses is an error before any trial runs.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hvctr.config import _field_types, _sections, load_config
+from hvctr.formats.tomlfile import read_toml
 
 TRIAL_KEYS = {"steps": int, "evals": int, "ranks": int}
 
@@ -143,13 +143,7 @@ def _check_value(p: Param, value: Any, where: str) -> None:
 
 def load_space(path: str | Path) -> Space:
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"search space {path} does not exist")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"search space {path}: {e}") from None
-    return space_from_dict(raw, str(path))
+    return space_from_dict(read_toml(path, "search space"), str(path))
 
 
 def space_from_dict(raw: dict[str, Any], where: str = "search space") -> Space:

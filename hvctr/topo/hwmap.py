@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from hvctr.formats.tomlfile import read_toml
+
 UNKNOWN = -1
 
 
@@ -213,12 +215,7 @@ def validate_map(hwmap: HardwareMap, where: str = "hardware map") -> None:
 
 def load_map(path: str | Path) -> HardwareMap:
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"hardware map {path} does not exist (see slurm/hwmaps/, or write one with `hvctr topo --out`)")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"hardware map {path}: {e}") from None
+    raw = read_toml(path, "hardware map", " (see slurm/hwmaps/, or write one with `hvctr topo --out`)")
     hwmap = map_from_dict(raw, str(path))
     return HardwareMap(**{**hwmap.__dict__, "path": str(path)})
 

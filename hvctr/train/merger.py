@@ -30,17 +30,21 @@ data set, global batch and steps a rank of each figure): docs/merging.md and BEN
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from hvctr.config import Compression, MergeConfig, MergeStates
 
+if TYPE_CHECKING:
+    from hvctr.distributed.protocol import Comm
+
 NUM_FLAGS = 2  # [stop requested, checkpoint requested]
 
 
 class _DenseReducer:
-    def __init__(self, comm, cfg: MergeConfig, params: Sequence[torch.Tensor], hierarchical: bool = False) -> None:
+    def __init__(self, comm: Comm, cfg: MergeConfig, params: Sequence[torch.Tensor],
+                 hierarchical: bool = False) -> None:
         self.comm = comm
         self.cfg = cfg
         self.params = list(params)
@@ -63,7 +67,7 @@ class _DenseReducer:
 class KStepMerger(_DenseReducer):
     """Averages the dense model every ``merge.every_k_steps`` local steps."""
 
-    def __init__(self, comm, cfg: MergeConfig, params: Sequence[torch.Tensor],
+    def __init__(self, comm: Comm, cfg: MergeConfig, params: Sequence[torch.Tensor],
                  hierarchical: bool = False) -> None:
         super().__init__(comm, cfg, params, hierarchical)
         self.merge_m = cfg.states is MergeStates.PARAMS_M_V
