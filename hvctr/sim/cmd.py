@@ -11,7 +11,7 @@ for bit, when OpenMPI's allreduce is pinned to its ring algorithm (``--reduce-or
 the default; tests/e2e/test_simulate.py holds it to that at W = 2 and 3). It differs only
 in speed: one rank computes at a time, with every core of the machine.
 
-What the simulation changes, none of which changes a result (DESIGN.md, "Determinism"):
+What the simulation changes, none of which changes a result (docs/training.md, "Many ranks on one machine"):
 ``data.prefetch`` is off (prefetch on and off give bit-equal models), ``storage.cpu_cache_bytes``
 is capped by ``--cache-bytes`` (the cache changes speed, never values), and nothing is bound to
 cpus or NUMA nodes (``topology.bind`` off). Torch's thread count does change the bits of the
@@ -113,14 +113,16 @@ def preflight(cfg: Config, size: int, resume: bool, init_from: str | None) -> Co
     from hvctr.train.preflight import check_inputs
 
     errors: list[str | None] = []
-    checked = cfg
+    checked, sizing = cfg, ""
     for rank in range(size):
         try:
-            checked = check_inputs(cfg, rank, size, resume, init_from)
+            checked, sizing = check_inputs(cfg, rank, size, resume, init_from)
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
     raise_agreed(group_errors(errors), 0, size)
+    if sizing:
+        log.info(sizing)
     return checked
 
 

@@ -6,7 +6,7 @@ by name), each with its own unique keys, possibly none. Keys go to their owners
 Exchanges run on host tensors (a CPU build of Horovod serves GPU runs); only the result of
 a pull moves to ``device``.
 
-Merge rules (DESIGN.md, "Sparse merge rule"), applied by each owner to the copies it gets:
+Merge rules (docs/merging.md), applied by each owner to the copies it gets:
 
 - ``push``: each key's rows are summed in ascending source rank, then divided by the number
   of ranks that sent the key; all columns (w, w1, m, v, step) merge together.
@@ -15,14 +15,21 @@ Merge rules (DESIGN.md, "Sparse merge rule"), applied by each owner to the copie
 
 ``warm`` may run in a prefetch thread while the main thread runs other collectives: give it
 names no other collective uses. It routes keys and answers nothing (prefetch warms, it never
-answers), so the values a later ``pull`` returns do not depend on it. It returns what this
-rank was asked as owner (``Asked``): a ``pull`` of the same keys given it sends no keys, only
-the rows back (one alltoall instead of two, off the critical path after a merge).
+answers), so the values a later ``pull`` returns do not depend on it.
 
-Each operation takes a Routing (hvctr.storage.routing): the training window carries one,
-computed once in the prefetch thread, and warm, pull and push all send along it. Plain unique
-keys work too (tests, benchmarks, evaluation): ``route(keys)`` builds their Routing, checking
-that they are unique.
+A training window's exchanges share one ``WindowExchange``: the Routing of its keys
+(hvctr.storage.routing, computed once in the prefetch thread: warm, pull and push all send
+along it) and, once the keys went to their owners (in the warm, else in the pull), what this
+rank was asked as owner (``Asked``: the distinct keys and where each received key is among
+them). With it the pull sends no keys, only the rows back (one alltoall instead of two, off
+the critical path after a merge), and the push sends rows only, which the owner merges by
+the request it kept, without deduplicating keys again: the same sums in the same order, and
+the same keys in the same order to the store, as a push that sends its keys. Every rank
+passes a WindowExchange of the same keys to warm, pull and push, or none does: what a
+collective sends is decided by it.
+
+Plain unique keys or a Routing work too (tests, benchmarks, evaluation): ``route(keys)``
+builds their Routing, checking that they are unique; each call then sends its keys.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from hvctr.storage.row_merge import merged_rows
 from hvctr.storage.store import EmbeddingStore, as_keys, require_unique
 
 if TYPE_CHECKING:
-    from hvctr.distributed import Comm
+    from hvctr.distributed.protocol import Comm
 
 ApplyFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Keys = Routing | np.ndarray  # a routing, or unique keys to route on the call
@@ -101,10 +108,10 @@ def merge_messages(msg: torch.Tensor, splits: list[int], divide: bool) -> tuple[
     counts (the average over the ranks that sent each key). One pass in C, else numpy."""
     a = msg.numpy()
     n, c = a.shape[0], a.shape[1] - _KEY_COLS
-    lib = _native.lib()
-    if lib is None or n == 0 or n >= (1 << 30) or not a.flags.c_contiguous:
+    if not _merges_natively(n, a.flags.c_contiguous):
         uniq, acc, count = merge_by_key(*_unpack(msg), np.asarray(splits))
         return uniq, (acc / count.astype(np.float32)[:, None] if divide else acc), count
+    lib = _native.lib()
     bits = hash_table_bits(n)
     table = np.full(1 << bits, -1, dtype=np.int32)
     uniq = np.empty(n, dtype=np.uint64)
@@ -119,10 +126,70 @@ def merge_messages(msg: torch.Tensor, splits: list[int], divide: bool) -> tuple[
 class Asked:
     """The keys other ranks asked this rank for as their owner, as an owner answers them: how
     many came from each rank, the distinct keys (read once) and where each asked key is among
-    them (``uniq[inverse]`` is the keys as received)."""
+    them (``uniq[inverse]`` is the keys as received), and where each distinct key first came
+    (``first``, increasing)."""
     received: list[int]
     uniq: np.ndarray
     inverse: np.ndarray
+    first: np.ndarray
+
+
+@dataclass
+class WindowExchange:
+    """One window's exchanges with the owners, shared by its warm, pull and push: the routing of
+    its keys and, once they were sent (by warm, else by the first pull), what this rank was
+    asked as their owner. ShardedTable fills ``asked``; with it, pull and push send no keys."""
+    routing: Routing
+    asked: Asked | None = None
+
+
+Exchange = WindowExchange | Keys  # what warm, pull and push take
+
+
+def merge_asked(values: np.ndarray, asked: Asked, divide: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """merge_messages for rows that come without their keys, in the order the owner received the
+    keys it keeps in ``asked`` (``asked.received[s]`` rows from rank s): (asked.uniq, sums in
+    ascending source rank, counts), the first copy assigned and later ones added, divided by
+    the counts (where above 1) with ``divide``. The same floats as merge_messages, keys in its
+    order: of first occurrence (C), sorted (its numpy fallback)."""
+    k, (n, c) = asked.uniq.shape[0], values.shape
+    lib = _native.lib()
+    if lib is not None and n and values.dtype == np.float32 and values.flags.c_contiguous:
+        # the first copies assigned, the others added in message order (ascending source rank)
+        # in one pass in C; the first copies are added too, to a spare row k, never read
+        acc = np.empty((k + 1, c), dtype=np.float32)
+        first = np.ascontiguousarray(asked.first, dtype=np.int64)
+        lib.hv_take_rows(values.ctypes.data, c, first.ctypes.data, k, acc.ctypes.data)
+        acc[k] = 0
+        inverse = np.array(asked.inverse, dtype=np.int64)
+        inverse[first] = k
+        lib.hv_sum_rows(inverse.ctypes.data, n, values.ctypes.data, c, acc.ctypes.data)
+        acc = acc[:k]
+        count = np.bincount(asked.inverse, minlength=k).astype(np.int64, copy=False)
+    else:
+        acc = np.empty((k, c), dtype=np.float32)
+        count = np.zeros(k, dtype=np.int64)
+        bounds = np.concatenate(([0], np.cumsum(asked.received))).tolist()
+        for s in range(len(asked.received)):  # one vectorised step per source rank: this loop fixes the order
+            if bounds[s] == bounds[s + 1]:
+                continue
+            i, x = asked.inverse[bounds[s]:bounds[s + 1]], values[bounds[s]:bounds[s + 1]]
+            first = count[i] == 0
+            acc[i[first]] = x[first]
+            acc[i[~first]] += x[~first]
+            count[i] += 1
+    if divide:  # x / 1 is x: only shared keys divide, as in C
+        np.divide(acc, count.astype(np.float32)[:, None], out=acc, where=(count > 1)[:, None])
+    uniq = asked.uniq
+    if not _merges_natively(values.shape[0], True):
+        order = np.argsort(uniq, kind="stable")
+        uniq, acc, count = uniq[order], acc[order], count[order]
+    return uniq, acc, count
+
+
+def _merges_natively(n: int, contiguous: bool) -> bool:
+    """Whether merge_messages merges ``n`` message rows in C (else numpy, keys sorted)."""
+    return _native.lib() is not None and 0 < n < (1 << 30) and contiguous
 
 
 class ShardedTable:
@@ -155,12 +222,25 @@ class ShardedTable:
         keys = as_keys(unique_keys) if trusted and not _store.DEBUG_CHECKS else require_unique(unique_keys)
         return _routing.route(keys, self.bucket_owner, self.comm.size)
 
-    def _routed(self, keys: Keys) -> Routing:
+    def exchange(self, unique_keys: np.ndarray, trusted: bool = False) -> WindowExchange:
+        """A WindowExchange of ``unique_keys`` (route's arguments), nothing sent yet."""
+        return WindowExchange(self.route(unique_keys, trusted))
+
+    def _routed(self, keys: Exchange) -> Routing:
+        if isinstance(keys, WindowExchange):
+            keys = keys.routing
         if not isinstance(keys, Routing):
             return self.route(keys)
         if keys.world_size != self.comm.size:
             raise ValueError(f"a routing for {keys.world_size} ranks, this table has {self.comm.size}")
         return keys
+
+    def _kept(self, keys: Exchange, name: str) -> Asked | None:
+        """The request a WindowExchange kept (None: its keys are still to send, or plain keys)."""
+        asked = keys.asked if isinstance(keys, WindowExchange) else None
+        if asked is not None and len(asked.received) != self.comm.size:
+            raise ValueError(f"{name}: a request of {len(asked.received)} ranks, this table has {self.comm.size}")
+        return asked
 
     def _alltoall(self, rec: dict, msg: torch.Tensor, splits: list[int], name: str) -> tuple[torch.Tensor, list[int]]:
         t0 = time.perf_counter()
@@ -202,42 +282,56 @@ class ShardedTable:
 
     # --- operations --------------------------------------------------------------------
 
-    def pull(self, keys: Keys, name: str, asked: Asked | None = None) -> torch.Tensor:
-        """Rows of the routed keys as float32 [U, width] on ``device``; owners create new rows.
-        ``asked``: what warm() of the same keys returned, on every rank (the keys are not sent
-        again), or None on every rank."""
-        return self._answer(self._routed(keys), name, "pull", self.store.read, asked)
+    def pull(self, keys: Exchange, name: str) -> torch.Tensor:
+        """Rows of the keys as float32 [U, width] on ``device``; owners create new rows. A
+        WindowExchange whose keys went to their owners (warm) sends none again; one whose keys
+        did not keeps the request this pull sends, for the window's push."""
+        asked = self._kept(keys, name)
+        rows, asked = self._answer(self._routed(keys), name, "pull", self.store.read, asked)
+        if isinstance(keys, WindowExchange):
+            keys.asked = asked
+        return rows
 
     def read_only(self, keys: Keys, name: str) -> torch.Tensor:
         """Like pull, for evaluation: owners insert and count nothing (unseen keys: init rows)."""
-        return self._answer(self._routed(keys), name, "read_only", self.store.read_only)
+        return self._answer(self._routed(keys), name, "read_only", self.store.read_only)[0]
 
     def _answer(self, r: Routing, name: str, op: str, read: Callable[[np.ndarray], np.ndarray],
-                asked: Asked | None = None) -> torch.Tensor:
+                asked: Asked | None = None) -> tuple[torch.Tensor, Asked]:
         with self._call(op) as rec:
             if asked is None:
                 asked = self._ask(rec, r, name)
-            elif len(asked.received) != self.comm.size:
-                raise ValueError(f"{name}: a request of {len(asked.received)} ranks, this table has {self.comm.size}")
             rows = read(asked.uniq)[asked.inverse]
             received = asked.received
             back, _ = self._alltoall(rec, torch.from_numpy(rows), received, f"{name}.rows")
             if r.in_order:  # a window's working set is laid out as the rows arrive
-                return self._to_device(back)
+                return self._to_device(back), asked
             # numpy, not torch: torch.empty is NaN-filled and index_put sorts its indices under
             # torch.use_deterministic_algorithms; a permutation's scatter is deterministic as it is
             out = np.empty((len(r), self.width), dtype=np.float32)
             out[r.order] = back.numpy()
-            return self._to_device(torch.from_numpy(out))
+            return self._to_device(torch.from_numpy(out)), asked
 
-    def push(self, keys: Keys, rows: torch.Tensor | np.ndarray, name: str) -> None:
+    def push(self, keys: Exchange, rows: torch.Tensor | np.ndarray, name: str) -> None:
         """Sends rows back to their owners, which average each key over the ranks that sent it
-        (then apply merge.sparse_rule, hvctr.storage.row_merge, to the model columns)."""
+        (then apply merge.sparse_rule, hvctr.storage.row_merge, to the model columns). A
+        WindowExchange whose keys the owners were sent (warm or pull) sends rows only: each
+        owner merges them by the request it kept."""
         r = self._routed(keys)
+        asked = self._kept(keys, name)
         with self._call("push") as rec:
             values = _host(rows, (len(r), self.width))
-            got, received = self._alltoall(rec, _pack(r.keys, values, r.order), r.splits, f"{name}.rows")
-            uniq, mean, count = merge_messages(got, received, divide=True)
+            if asked is None:
+                got, received = self._alltoall(rec, _pack(r.keys, values, r.order), r.splits, f"{name}.rows")
+                uniq, mean, count = merge_messages(got, received, divide=True)
+            else:  # the rows in the order their keys were sent: the owner's request says whose they are
+                msg = values if r.in_order else values[r.order]
+                got, received = self._alltoall(rec, torch.from_numpy(np.ascontiguousarray(msg)), r.splits,
+                                               f"{name}.rows")
+                if received != asked.received:
+                    raise ValueError(f"{name}: rows of {received} keys per rank, the owners were sent "
+                                     f"{asked.received} (a push of other keys than the window's)")
+                uniq, mean, count = merge_asked(got.numpy(), asked, divide=True)
             if self.sparse_rule is not SparseRule.AVERAGE:
                 old = self.store.read(uniq, count=False)  # the rows as pulled: nothing wrote them since
                 mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count)
@@ -263,17 +357,20 @@ class ShardedTable:
     def _ask(self, rec: dict, r: Routing, name: str) -> Asked:
         """Sends the keys to their owners; returns what this rank was asked as an owner."""
         keys, received = self._send_keys(rec, r.keys_by_owner, r.splits, f"{name}.keys")
-        uniq, _, inv = unique_in_order(keys)  # ranks ask for the same keys: read each once
-        return Asked(received, uniq, inv)
+        uniq, first, inv = unique_in_order(keys)  # ranks ask for the same keys: read each once
+        return Asked(received, uniq, inv, first)
 
-    def warm(self, keys: Keys, name: str) -> Asked:
-        """Owners bring these keys' shard rows into their caches; nothing comes back. Returns
-        what this rank was asked as an owner: pull(keys, asked=...) then sends no keys."""
+    def warm(self, keys: Exchange, name: str) -> WindowExchange:
+        """Owners bring these keys' shard rows into their caches; nothing comes back. Returns the
+        WindowExchange (the one given, or a new one for plain keys) holding what this rank was
+        asked as an owner: its pull and push then send no keys."""
         r = self._routed(keys)
+        x = keys if isinstance(keys, WindowExchange) else WindowExchange(r)
         with self._call("warm") as rec:
             asked = self._ask(rec, r, name)
             self.store.warm(asked.uniq)
-        return asked
+        x.asked = asked
+        return x
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -21,13 +21,18 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hvctr.config import Config, write_toml
 from hvctr.log import get_logger, setup_logging
 from hvctr.distributed.world import set_error_gate
-from hvctr.train.preflight import preflight
+from hvctr.train.preflight import Checked, preflight
 from hvctr.train.stop import StopRequest
+
+if TYPE_CHECKING:
+    import torch
+
+    from hvctr.distributed.protocol import Comm
 
 log = get_logger(__name__)
 
@@ -62,7 +67,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:  # hvctr eval (hvctr
                    help="which split of the run's data to evaluate (default valid; the result goes to eval-<split>.json)")
 
 
-def _start(cfg: Config, run_dir: Path, program: str):
+def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device, str]:
     """Horovod (with the collective watchdog), logging, placement, determinism. Returns (comm,
     device, the hardware map's SSD directory for this rank or "")."""
     cublas_note = cuda_determinism_env()  # before anything can initialise CUDA
@@ -128,11 +133,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             checked.lock.release()
 
 
-def _train(args: argparse.Namespace, checked, stop: StopRequest) -> int:
+def _train(args: argparse.Namespace, checked: Checked, stop: StopRequest) -> int:
     cfg = checked.cfg
     run_dir = Path(cfg.train.run_dir)
     comm, device, ssd_dir = _start(cfg, run_dir, "train")
-    from hvctr.train import preflight as _preflight
     from hvctr.rundir import write_identity
     from hvctr.train.trainer import Trainer
 
@@ -143,8 +147,8 @@ def _train(args: argparse.Namespace, checked, stop: StopRequest) -> int:
     log.info(f"hvctr train: {comm.size} ranks on {comm.num_nodes} node(s), run dir {run_dir}, device {device}")
     for note in checked.notes:
         log.warning(note)
-    if _preflight.sizing_note:
-        log.info(_preflight.sizing_note)
+    if checked.sizing:
+        log.info(checked.sizing)
     trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume, init_from=args.init_from, stop=stop,
                       ssd_dir=ssd_dir)
     log.info(f"working shards: {trainer.shard_dir} (rank 0; from {trainer.shard_dir_source}; "

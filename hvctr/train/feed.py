@@ -15,6 +15,7 @@ the files whose record differs; ``off`` never (shapes are still checked).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from hvctr.config import DataConfig, DataVerify
 from hvctr.data.reader import NUM_DENSE, NUM_FIELDS, ShardReader, read_stamp, write_stamp
 from hvctr.distributed.world import AgreedError
 from hvctr.log import get_logger
+
+if TYPE_CHECKING:
+    from hvctr.distributed.protocol import Comm
 
 log = get_logger(__name__)
 
@@ -57,7 +61,7 @@ class EvalReader:
 
 
 class TrainData:
-    def __init__(self, cfg: DataConfig, comm, verify: bool = True, run_dir=None) -> None:
+    def __init__(self, cfg: DataConfig, comm: Comm, verify: bool = True, run_dir=None) -> None:
         if not cfg.train_dir:
             raise ValueError("config key 'data.train_dir' is empty: point it at a data_prep output directory")
         self.cfg, self.comm = cfg, comm

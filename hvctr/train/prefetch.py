@@ -12,10 +12,11 @@ Every rank produces the same sequence of windows, and so the same sequence of co
 Prefetch warms, it never answers: the thread reads the data, agrees on the length, computes the
 unique keys, routes them to their owners (once: the window carries the routing to its pull and
 push) and each batch's unique positions, and sends the keys to their owners, which bring
-missing rows from SSD into the CPU cache and keep the request (the window carries it as
-``asked``: its pull sends no keys again). The rows themselves are read and sent by the main
-thread's pull after merge(t), so window t+1 sees the state after merge(t), and prefetch on or
-off gives bit-equal models.
+missing rows from SSD into the CPU cache and keep the request (the window's ``exchange``,
+hvctr.storage.exchange.WindowExchange, records it: its pull and push send no keys again). The
+rows themselves are read and sent by the main thread's pull after merge(t), so window t+1
+sees the state after merge(t), and prefetch on or off gives bit-equal models (with prefetch
+off the pull sends the keys, and the push sends rows only all the same).
 """
 
 from __future__ import annotations
@@ -24,14 +25,20 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
 from hvctr.log import get_logger
+from hvctr.storage.exchange import WindowExchange
 from hvctr.train.window import Route, Window, build_window, fitting_prefix, index_keys
 
+if TYPE_CHECKING:
+    from hvctr.distributed.protocol import Comm
+
 log = get_logger(__name__)
+
+Warm = Callable[[WindowExchange | np.ndarray, str], WindowExchange]  # ShardedTable.warm
 
 
 class BatchReader(Protocol):
@@ -66,12 +73,12 @@ class Schedule:
 class WindowSource:
     """Yields the run's windows in order from (epoch, batch) ``start``; see the module docstring."""
 
-    def __init__(self, reader_for_epoch: Callable[[int], BatchReader], schedule: Schedule, comm,
-                 warm: Callable[[object, str], None] | None, start: tuple[int, int, int],
+    def __init__(self, reader_for_epoch: Callable[[int], BatchReader], schedule: Schedule, comm: Comm,
+                 warm: Warm | None, start: tuple[int, int, int],
                  prefetch: bool, timeout_s: float, route: Route | None = None) -> None:
-        """``warm(keys, name)`` takes a window's exchange_keys and returns what the owners were
-        asked (kept as the window's ``asked``); ``route`` routes a window's unique keys (None:
-        windows carry no routing)."""
+        """``warm(keys, name)`` takes a window's exchange_keys and returns its WindowExchange
+        holding what the owners were asked (kept as the window's ``exchange``); ``route``
+        routes a window's unique keys (None: windows carry no routing)."""
         self._reader_for_epoch = reader_for_epoch
         self._route = route
         self._schedule = schedule
@@ -110,7 +117,7 @@ class WindowSource:
                               self._route)
         self.read_seconds += time.perf_counter() - t0
         if self._warm is not None:
-            window.asked = self._warm(window.exchange_keys, f"window{self._index}.warm")
+            window.exchange = self._warm(window.exchange_keys, f"window{self._index}.warm")
         self._index += 1
         self._batch += n
         self._steps_done += n

@@ -40,20 +40,19 @@ from hvctr.rundir import IDENTITY_NAME, RunLock, check_resume_identity, read_ide
 SHARD_HEADROOM = 1.25  # sized shards hold the estimate's fullest rank x this (sketch error, bucket skew)
 MIN_SIZED_ROWS = 1 << 12
 
-# What the last size_shard() decided, for the log once logging is set up ("" when nothing was sized)
-sizing_note = ""
-
 
 @dataclasses.dataclass
 class Checked:
     """What the preflight hands to the job: the config, the run directory's lock (rank 0 of
     hvctr train and eval), the identity to write at this first start (None on a resume of a
-    run that has one), and lines for the log once logging is set up."""
+    run that has one), warnings for the log once logging is set up, and what size_shard
+    decided (``sizing``: a line for the log, "" when nothing was sized)."""
 
     cfg: Config
     lock: RunLock | None = None
     identity: dict | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    sizing: str = ""
 
 
 def preflight(config_path: str | None, overrides: list[str], resume: bool, init_from: str | None = None,
@@ -73,13 +72,13 @@ def preflight(config_path: str | None, overrides: list[str], resume: bool, init_
         directory = Path(run_dir or cfg.train.run_dir)
         if rank == 0:
             held.append(RunLock(directory, command).acquire())
-        cfg = check_inputs(cfg, rank, size, resume, init_from, eval_only, run_dir)
+        cfg, sizing = check_inputs(cfg, rank, size, resume, init_from, eval_only, run_dir)
         identity, notes = (None, []) if eval_only else check_identity(cfg, directory, size, resume, init_from)
         notes += check_directories(cfg, rank, size, directory)  # after the identity: a refused resume creates nothing
         check_memory(cfg)
         if held and held[0].stale:
             notes.insert(0, held[0].stale)
-        return Checked(cfg, held[0] if held else None, identity, notes)
+        return Checked(cfg, held[0] if held else None, identity, notes, sizing)
 
     try:
         # comm: mpi4py allgather of every rank's first error (before Horovod starts)
@@ -118,8 +117,9 @@ def check_identity(cfg: Config, run_dir: Path, size: int, resume: bool,
 
 
 def check_inputs(cfg: Config, rank: int, size: int, resume: bool, init_from: str | None = None,
-                 eval_only: bool = False, run_dir: str | Path | None = None) -> Config:
-    """ValueError for the first input this rank cannot use; no communication."""
+                 eval_only: bool = False, run_dir: str | Path | None = None) -> tuple[Config, str]:
+    """(the config as checked, size_shard's note): a ValueError for the first input this rank
+    cannot use; no communication."""
     per_node = cfg.topology.ranks_per_virtual_node
     if per_node and size % per_node:
         raise ValueError(f"config key 'topology.ranks_per_virtual_node': {per_node} does not divide "
@@ -234,8 +234,9 @@ def _prior_rows(init_from: str) -> int:
     return max(per_rank, default=0)
 
 
-def size_shard(cfg: Config, size: int, init_from: str | None = None, check: bool = True) -> Config:
-    """``cfg`` with ``storage.rows_per_rank`` decided, and the check that the table fits.
+def size_shard(cfg: Config, size: int, init_from: str | None = None, check: bool = True) -> tuple[Config, str]:
+    """(``cfg`` with ``storage.rows_per_rank`` decided, a line for the log saying how it was
+    sized or "" when it was not), and the check that the table fits.
 
     Needed rows (the fullest rank): the data manifest's ``distinct_keys_estimate_total`` dealt
     over the ranks as the buckets are (hvctr.plan.model.rows_per_rank, what ``hvctr plan
@@ -243,14 +244,13 @@ def size_shard(cfg: Config, size: int, init_from: str | None = None, check: bool
     needed x SHARD_HEADROOM; the index then has rows / storage.max_load_factor slots, as for
     any capacity. With ``check``, a capacity below the need is a ValueError naming the size
     to use, unless keys are admitted late (storage.admit_after > 1) or the run stops early
-    (train.max_steps), when not every key reaches the table. Sets ``sizing_note``.
+    (train.max_steps), when not every key reaches the table.
     """
-    global sizing_note
     from hvctr.plan.model import rows_per_rank as fullest_rank_rows
     from hvctr.data.reader import load_manifest
 
     s = cfg.storage
-    sizing_note = ""
+    note = ""
     try:
         distinct = int(load_manifest(cfg.data.train_dir)["totals"]["distinct_keys_estimate_total"])
     except (ValueError, KeyError, TypeError):
@@ -260,7 +260,7 @@ def size_shard(cfg: Config, size: int, init_from: str | None = None, check: bool
             raise ValueError(f"config key 'storage.rows_per_rank' is 0 (size from the data), but "
                              f"{cfg.data.train_dir}/manifest.json has no totals.distinct_keys_estimate_total: "
                              f"set storage.rows_per_rank (hvctr plan --data {cfg.data.train_dir} sizes it)")
-        return cfg
+        return cfg, note
     prior = _prior_rows(init_from) if init_from else 0
     need = fullest_rank_rows(distinct, size) + prior
     sized = max(MIN_SIZED_ROWS, math.ceil(need * SHARD_HEADROOM))
@@ -268,15 +268,15 @@ def size_shard(cfg: Config, size: int, init_from: str | None = None, check: bool
            f"the fullest" + (f", + {prior:,} rows of the --init-from model" if prior else ""))
     if s.rows_per_rank == 0:
         cfg = dataclasses.replace(cfg, storage=dataclasses.replace(s, rows_per_rank=sized))
-        sizing_note = (f"shard size: storage.rows_per_rank = {sized:,} (0: sized from the data; {src}; "
-                       f"x {SHARD_HEADROOM} headroom; index slots at storage.max_load_factor {s.max_load_factor})")
+        note = (f"shard size: storage.rows_per_rank = {sized:,} (0: sized from the data; {src}; "
+                f"x {SHARD_HEADROOM} headroom; index slots at storage.max_load_factor {s.max_load_factor})")
     capacity = cfg.storage.rows_per_rank
     partial = s.admit_after > 1 or cfg.train.max_steps > 0
     if check and not partial and need > capacity:
         raise ValueError(f"config key 'storage.rows_per_rank': {capacity:,} rows per rank, but the table needs "
                          f"about {need:,} on the fullest rank ({src}): it would fill up in training; "
                          f"set storage.rows_per_rank = {sized} (or 0 to size it from the data)")
-    return cfg
+    return cfg, note
 
 
 def _check_data(cfg: Config, rank: int, size: int, eval_only: bool) -> None:

@@ -1,14 +1,16 @@
 """The training loop in windows of k steps.
 
     for window in windows:                      # the prefetch thread prepares window t+1
-        rows = table.pull(window.routing)       # working set [U, row] from the owners
+        rows = table.pull(window.exchange)      # working set [U, row] from the owners
         for batch in window: local step         # gather -> model -> loss -> backward -> lazy/dense Adam
         merger.merge(dense params, Adam moments, flags)   # one grouped allreduce
-        table.push(window.routing, rows)        # owners average each row over its contributors
+        table.push(window.exchange, rows)       # owners average each row over its contributors
         maybe checkpoint; stop if any rank asked
 
-A window arrives routed (its keys' owners, computed once where it was built) and with each
-batch's unique positions: the steps and exchanges never hash or sort its keys again.
+A window arrives routed (its keys' owners, computed once where it was built, in its
+WindowExchange) and with each batch's unique positions: the steps and exchanges never hash or
+sort its keys again. Its keys go to their owners once, in the prefetch thread's warm or else
+in the pull; the push sends rows only.
 
 ``merge.mode = sync`` is the baseline: windows of one step, dense gradients averaged before
 every Adam step, sparse gradients pushed to the owners, which apply one Adam step.
@@ -20,7 +22,7 @@ import contextlib
 import functools
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,7 +32,7 @@ from hvctr.checkpoint.format import TrainState, checkpoint_path, locate
 from hvctr.checkpoint.manager import CheckpointManager
 from hvctr.config import Compression, Config, MergeMode
 from hvctr.distributed.world import AgreedError
-from hvctr.formats import default_bucket_owner
+from hvctr.formats import RowLayout, default_bucket_owner
 from hvctr.log import get_logger
 from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
@@ -47,22 +49,27 @@ from hvctr.rundir import private_scratch_dir, working_shard_place
 from hvctr.train.stop import StopRequest
 from hvctr.train.window import Window
 
+if TYPE_CHECKING:
+    from hvctr.distributed.protocol import Comm
+
 log = get_logger(__name__)
 
 STOP, CHECKPOINT = 0, 1  # indices of the control flags carried by the merge
 
 
 class Trainer:
-    def __init__(self, cfg: Config, comm, device: torch.device, run_dir: Path, resume: bool,
+    def __init__(self, cfg: Config, comm: Comm, device: torch.device, run_dir: Path, resume: bool,
                  init_from: str | None = None, stop: StopRequest | None = None, ssd_dir: str = "") -> None:
         self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
         if cfg.storage.rows_per_rank == 0:  # hvctr train's preflight sized it; other callers size it here
-            from hvctr.train import preflight
+            from hvctr.train.preflight import size_shard
 
-            cfg = self.cfg = preflight.size_shard(cfg, comm.size, init_from, check=False)
-            log.info(preflight.sizing_note)
+            cfg, sizing = size_shard(cfg, comm.size, init_from, check=False)
+            self.cfg = cfg
+            log.info(sizing)
         self.shard_dir, self.shard_dir_source, self.shard_scratch = working_shard_place(cfg, run_dir, ssd_dir)
         self.dim = cfg.storage.dim
+        self.layout = RowLayout(self.dim)  # the columns of a row: what evaluation reads of it
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
         t = cfg.train
         # merge.lr_scaling, merge.adam_scaling: the rates of each step and Adam's constants at W ranks
@@ -212,7 +219,7 @@ class Trainer:
 
     def _train_window(self, w: Window) -> list[int]:
         with self.meter.phase("pull"):
-            rows = self.table.pull(w.exchange_keys, name=f"window{w.index}.pull", asked=w.asked)
+            rows = self.table.pull(w.exchange_keys, name=f"window{w.index}.pull")  # sends no keys after a warm
         self._ws_rows = int(rows.shape[0])
         if self.cfg.merge.mode is MergeMode.SYNC:
             return self._sync_step(w, rows)
@@ -227,7 +234,7 @@ class Trainer:
             t0 = time.perf_counter()
             moments = self._moments()
             flags = self.reducer.merge(moments, self._flags(), name=f"window{w.index}.merge")
-            self.table.push(w.exchange_keys, rows, name=f"window{w.index}.push")
+            self.table.push(w.exchange_keys, rows, name=f"window{w.index}.push")  # rows only: the owners kept the keys
             self._merge_ms = 1e3 * (time.perf_counter() - t0)
         return flags
 
@@ -318,7 +325,7 @@ class Trainer:
             if labels.shape[0] == 0:
                 continue
             g = rows[torch.from_numpy(inv.reshape(keys.shape)).to(self.device)]
-            logits = self.model(torch.from_numpy(dense).to(self.device), g[..., : self.dim], g[..., self.dim])
+            logits = self.model(torch.from_numpy(dense).to(self.device), g[..., self.layout.w], g[..., self.layout.w1])
             acc.add_logits(logits, torch.from_numpy(labels))
         # comm: one grouped allreduce (Sum) of the evaluation histograms and sums
         summed = self.comm.allreduce_sum(acc.tensors(), name=f"eval.{split}.hist")

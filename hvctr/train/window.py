@@ -4,16 +4,18 @@ The window's unique keys are the working set: pulled from their owners before th
 first step, pushed back at its end. Every batch key is remapped to its position in that set,
 so the k steps gather rows with one index operation and never look at a key again.
 
-One pass over the candidate batches' keys (hvctr.formats.unique_in_order: a hash table in C,
+One pass over the candidate batches' keys (hvctr.kernels.unique.unique_in_order: a hash table in C,
 numpy's sort where no compiler is found) gives the distinct keys in order of first occurrence. That
 order answers both questions the prefetch thread asks: how many leading batches fit the
 working-set bound (the distinct keys of a prefix are a prefix of that list), and, once ranks
 agree on the length, the window itself, without sorting every key again.
 
-The window also carries what its steps and exchanges would otherwise recompute: the routing of
-its keys to their owners (hvctr.storage.routing; warm, pull and push all send along it) and
-each batch's unique positions (hvctr.optim.batch_unique; sum_rows_grad takes them). Both are
-computed where the window is built, in the prefetch thread when prefetch is on.
+The window also carries what its steps and exchanges would otherwise recompute: its exchange
+with the owners (hvctr.storage.exchange.WindowExchange: the routing of its keys, hvctr.storage.routing,
+which warm, pull and push all send along, and what the owners were asked once the keys went
+to them, so that neither the pull nor the push sends them again) and each batch's unique
+positions (hvctr.optim.batch_unique; sum_rows_grad takes them). Both are computed where the
+window is built, in the prefetch thread when prefetch is on.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from hvctr.kernels import unique_in_order
 from hvctr.optim import batch_unique
+from hvctr.storage.exchange import WindowExchange
 from hvctr.storage.routing import Routing
 
 Route = Callable[[np.ndarray], Routing]
@@ -41,19 +44,23 @@ class Window:
     positions: np.ndarray  # int64 [n, B, F]: index of each key in unique_keys
     unique_keys: np.ndarray  # uint64 [U]: sorted; routed, grouped by owner (sorted within each)
     batch_unique: list[tuple[torch.Tensor, torch.Tensor]]  # per batch: batch_unique(positions[i])
-    routing: Routing | None = None  # unique_keys routed to their owners (None: not routed)
-    # What the other ranks asked this rank (as owner) for in the window's warm, kept so that the
-    # pull does not send the keys again (hvctr.storage.exchange.Asked; None: no warm ran)
-    asked: object | None = None
+    # unique_keys routed to their owners, and what the owners were asked once warm or pull sent
+    # them (None: not routed, and no warm ran)
+    exchange: WindowExchange | None = None
 
     @property
     def num_batches(self) -> int:
         return int(self.labels.shape[0])
 
     @property
-    def exchange_keys(self) -> Routing | np.ndarray:
-        """What warm, pull and push take: the routing, or the keys where none was built."""
-        return self.routing if self.routing is not None else self.unique_keys
+    def routing(self) -> Routing | None:
+        """unique_keys routed to their owners (None: not routed)."""
+        return self.exchange.routing if self.exchange is not None else None
+
+    @property
+    def exchange_keys(self) -> WindowExchange | np.ndarray:
+        """What warm, pull and push take: the window's exchange, or the keys where none was built."""
+        return self.exchange if self.exchange is not None else self.unique_keys
 
 
 @dataclass
@@ -95,16 +102,16 @@ def build_window(index: int, epoch: int, first_batch: int, labels: np.ndarray, d
     m = keys_index.distinct_in_prefix(n)
     order = np.argsort(keys_index.uniq[:m], kind="stable")
     unique_keys = keys_index.uniq[:m][order]
-    routing = None
+    exchange = None
     if route is not None:
         routed = route(unique_keys)  # routed.keys is unique_keys: keys_by_owner is unique_keys[routed.order]
-        routing = routed.grouped()
+        exchange = WindowExchange(routed.grouped())
         order = order[routed.order]
-        unique_keys = routing.keys
+        unique_keys = exchange.routing.keys
     rank = np.empty(m, dtype=np.int64)
     rank[order] = np.arange(m)
     positions = rank[keys_index.inverse[: n * keys_index.keys_per_batch]].reshape((n, *keys_shape[1:]))
     return Window(index=index, epoch=epoch, first_batch=first_batch, labels=labels, dense=dense,
                   positions=positions, unique_keys=unique_keys,
-                  batch_unique=[batch_unique(torch.from_numpy(p)) for p in positions], routing=routing)
+                  batch_unique=[batch_unique(torch.from_numpy(p)) for p in positions], exchange=exchange)
 

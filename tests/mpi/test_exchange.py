@@ -20,6 +20,7 @@ from hvctr.formats import default_bucket_owner, owner_of
 from hvctr.formats import RowLayout, init_rows
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.storage import store as store_module
+from hvctr.storage.exchange import WindowExchange
 from hvctr.storage.cache import ENTRY_OVERHEAD_BYTES
 
 DIM = 4
@@ -83,24 +84,30 @@ def _reference_merge(ref, contributions):
 
 
 @pytest.mark.parametrize("dist", ["uniform", "zipf"])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_pulls_and_pushes_match_dense_reference(comm, shard_dir, dist, prefetch):
+@pytest.mark.parametrize("how", ["keys", "exchange", "prefetch"])
+def test_pulls_and_pushes_match_dense_reference(comm, shard_dir, dist, how):
+    """how: plain keys (every call sends them); a WindowExchange the pull sends the keys of (and
+    the push sends rows only); one the warm sent them of, before window t-1's push (the pull
+    sends no keys, and reads the rows after that push)."""
     cfg = _cfg(cache_rows=60)
     table = _table(comm, shard_dir, cfg)
     layout, uni = RowLayout(DIM), _universe()
     ref = init_rows(uni, layout, cfg.init_scale, cfg.seed)
     windows = 8
-    asked = None
+    warmed = None
     for t in range(windows):
         mine = _window_idx(t, comm.rank, dist)
-        # with prefetch the keys went to their owners in the warm, before window t-1's push: the
-        # pull sends only rows, and they are the rows after that push
-        rows = table.pull(uni[mine], name=f"t.p{t}", asked=asked)
+        x = {"keys": uni[mine], "exchange": table.exchange(uni[mine]), "prefetch": warmed}[how]
+        if x is None:  # the first window: no warm ran
+            x = table.exchange(uni[mine])
+        rows = table.pull(x, name=f"t.p{t}")
         assert rows.dtype == torch.float32 and rows.shape == (mine.size, layout.width)
         np.testing.assert_array_equal(rows.numpy(), ref[mine])
-        if prefetch and t + 1 < windows:  # warm window t+1 before window t's push lands
-            asked = table.warm(uni[_window_idx(t + 1, comm.rank, dist)], name=f"t.w{t + 1}")
-        table.push(uni[mine], rows + torch.from_numpy(_delta(t, comm.rank, mine.size, layout.width)), name=f"t.u{t}")
+        if how != "keys":
+            assert x.asked is not None  # the owners kept the request: the push sends rows only
+        if how == "prefetch" and t + 1 < windows:  # warm window t+1 before window t's push lands
+            warmed = table.warm(uni[_window_idx(t + 1, comm.rank, dist)], name=f"t.w{t + 1}")
+        table.push(x, rows + torch.from_numpy(_delta(t, comm.rank, mine.size, layout.width)), name=f"t.u{t}")
         contributions = []
         for r in range(comm.size):
             idx = _window_idx(t, r, dist)
@@ -138,12 +145,18 @@ def test_warm_then_pull_equals_cold_pull(comm, shard_dir):
     got_cold = cold_t.pull(nxt, name="h.b.final")
     assert torch.equal(got_warm, got_cold)
     # the request the warm kept answers the same pull without sending the keys again
-    asked = warm_t.warm(nxt, name="h.warm2")
-    got_asked = warm_t.pull(nxt, name="h.a.asked", asked=asked)
+    x = warm_t.warm(nxt, name="h.warm2")
+    got_asked = warm_t.pull(x, name="h.a.asked")
     assert torch.equal(got_asked, got_cold)
     remote_keys = int((owner_of(nxt, warm_t.bucket_owner) != comm.rank).sum())
     assert warm_t.last["op"] == cold_t.last["op"] == "pull"
     assert cold_t.last["bytes_sent"] - warm_t.last["bytes_sent"] == 8 * remote_keys  # rows only
+    # and the push of the same window: rows without their keys, the same stored rows
+    warm_t.push(x, got_asked * 0.5, name="h.a.push")
+    cold_t.push(nxt, got_cold * 0.5, name="h.b.push")
+    assert warm_t.last["op"] == cold_t.last["op"] == "push"
+    assert cold_t.last["bytes_sent"] - warm_t.last["bytes_sent"] == 8 * remote_keys
+    assert torch.equal(warm_t.pull(nxt, name="h.a.after"), cold_t.pull(nxt, name="h.b.after"))
     assert warm_t.store.stats()["cache_hits"] - hits_before > 0
     warm_t.store.close()
     cold_t.store.close()
@@ -229,25 +242,35 @@ def test_read_only_inserts_nothing_and_warm_runs_beside_push(comm, shard_dir):
     table.store.close()
 
 
-def test_a_routing_built_ahead_equals_routing_on_every_call(comm, shard_dir):
-    """Windows route their keys once (in the prefetch thread) for warm, pull and push: the same
-    rows and the same stored state, bit for bit, as routing the plain keys on every call."""
+@pytest.mark.parametrize("warm", [True, False])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_window_exchange_equals_plain_keys_on_every_call(comm, shard_dir, warm, grouped):
+    """Windows route their keys once (in the prefetch thread) and send them to their owners once
+    (warm, else the pull): the pull and the push of their WindowExchange send no keys. The same
+    rows and the same stored state (rows, and the order the store holds them in), bit for bit,
+    as routing the plain keys and sending them on every call. grouped: the window's layout
+    (its keys in owner order, as build_window lays them out), else the keys' sorted order."""
     cfg = _cfg(cache_rows=50)
     ahead, per_call = _table(comm, shard_dir, cfg, "ahead"), _table(comm, shard_dir, cfg, "per_call")
     uni, width = _universe(), RowLayout(DIM).width
     for t in range(5):
         keys = np.sort(uni[_window_idx(t, comm.rank, "zipf")])  # a window's keys are sorted
         routing = ahead.route(keys, trusted=True)
-        ahead.warm(routing, name=f"ra.w{t}")
-        per_call.warm(keys, name=f"rp.w{t}")
-        got_ahead, got_per_call = ahead.pull(routing, name=f"ra.p{t}"), per_call.pull(keys, name=f"rp.p{t}")
+        if grouped:
+            routing = routing.grouped()
+            keys = routing.keys
+        x = ahead.exchange(keys, trusted=True) if not grouped else WindowExchange(routing)
+        if warm:
+            assert ahead.warm(x, name=f"ra.w{t}") is x and x.asked is not None
+            per_call.warm(keys, name=f"rp.w{t}")
+        got_ahead, got_per_call = ahead.pull(x, name=f"ra.p{t}"), per_call.pull(keys, name=f"rp.p{t}")
         assert torch.equal(got_ahead, got_per_call)
         new = got_ahead + torch.from_numpy(_delta(t, comm.rank, keys.size, width))
-        ahead.push(routing, new, name=f"ra.u{t}")
+        ahead.push(x, new, name=f"ra.u{t}")
         per_call.push(keys, new, name=f"rp.u{t}")
         some = np.flatnonzero(np.arange(keys.size) % 3 == 0)  # sync mode's touched rows
         grads = torch.from_numpy(_delta(t, comm.rank, some.size, RowLayout(DIM).model_width))
-        ahead.push_gradients(routing.subset(some), grads, lambda r, g: r + g.sum(), name=f"ra.g{t}")
+        ahead.push_gradients(x.routing.subset(some), grads, lambda r, g: r + g.sum(), name=f"ra.g{t}")
         per_call.push_gradients(keys[some], grads, lambda r, g: r + g.sum(), name=f"rp.g{t}")
     for a, b in zip(ahead.store.iter_rows(chunk_rows=500), per_call.store.iter_rows(chunk_rows=500)):
         np.testing.assert_array_equal(a[0], b[0])

@@ -95,17 +95,18 @@ def test_rows_per_rank_zero_is_sized_from_the_manifest(data_dir, world):
     distinct = json.loads((data_dir / "manifest.json").read_text())["totals"]["distinct_keys_estimate_total"]
     cfg = load_config(None, [f"--data.train_dir={data_dir}"])
     assert cfg.storage.rows_per_rank == 0  # the default
-    sized = size_shard(cfg, world)
+    sized, note = size_shard(cfg, world)
     assert sized.storage.rows_per_rank == max(4096, math.ceil(_fullest(distinct, world) * SHARD_HEADROOM))
-    # explicit values are kept
+    assert note.startswith(f"shard size: storage.rows_per_rank = {sized.storage.rows_per_rank:,} (0: sized")
+    # explicit values are kept, and there is nothing to say about them
     explicit = load_config(None, [f"--data.train_dir={data_dir}", "--storage.rows_per_rank=999999"])
-    assert size_shard(explicit, world).storage.rows_per_rank == 999999
+    assert size_shard(explicit, world) == (explicit, "")
 
 
 def test_a_shard_the_table_would_fill_fails_before_training_with_the_size(data_dir):
     distinct = json.loads((data_dir / "manifest.json").read_text())["totals"]["distinct_keys_estimate_total"]
     small = load_config(None, [f"--data.train_dir={data_dir}", "--storage.rows_per_rank=1000"])
-    want = size_shard(load_config(None, [f"--data.train_dir={data_dir}"]), 1).storage.rows_per_rank
+    want = size_shard(load_config(None, [f"--data.train_dir={data_dir}"]), 1)[0].storage.rows_per_rank
     with pytest.raises(ValueError, match=rf"storage.rows_per_rank.*{distinct:,}.*set storage.rows_per_rank = {want}"):
         size_shard(small, 1)
     # not every key reaches the table: late admission, or a run that stops early
@@ -114,7 +115,7 @@ def test_a_shard_the_table_would_fill_fails_before_training_with_the_size(data_d
     size_shard(load_config(None, [f"--data.train_dir={data_dir}", "--storage.rows_per_rank=1000",
                                   "--train.max_steps=2"]), 1)
     # hvctr eval (check=False) never fails on it
-    assert size_shard(small, 1, check=False).storage.rows_per_rank == 1000
+    assert size_shard(small, 1, check=False)[0].storage.rows_per_rank == 1000
 
 
 def test_stamp_skips_unchanged_files_and_rechecks_changed_ones(data_dir, tmp_path):

@@ -1,12 +1,14 @@
 """The exchange's message packing and owner-side merge: the C kernels against numpy."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 
 from hvctr.kernels import unique_in_order
 from hvctr.kernels import native as _native
-from hvctr.storage.exchange import _pack, _unpack, merge_by_key, merge_messages
+from hvctr.storage.exchange import Asked, _pack, _unpack, merge_asked, merge_by_key, merge_messages
 
 
 def _messages(width, seed=0, ranks=3, per_rank=400):
@@ -37,6 +39,31 @@ def test_merge_messages_equals_the_numpy_reference_bit_for_bit(width, divide):
     with _native.disabled():  # the numpy fallback answers the same
         f_uniq, f_acc, f_count = merge_messages(msg, splits, divide)
     assert f_acc.tobytes() == ref_acc.tobytes() and np.array_equal(f_uniq, ref_uniq)
+
+
+@pytest.mark.parametrize("width", [52, 1])
+@pytest.mark.parametrize("divide", [False, True])
+def test_rows_merged_by_the_kept_request_equal_merged_messages_bit_for_bit(width, divide):
+    """A push of a window whose owners kept its request sends rows without keys: the owner
+    merges them by that request (merge_asked) into the same keys, in the same order, and the
+    same floats as the messages with their keys (merge_messages), in C and in numpy."""
+    msg, splits, keys, rows = _messages(width, seed=2)
+    rows[5] = -0.0  # a single copy keeps its sign bit; NaN and inf pass as they are
+    rows[7, 0], rows[9, 0] = np.nan, np.inf
+    msg = _pack(keys, rows, np.arange(keys.shape[0]))  # the ranks' messages, concatenated
+    uniq, first, inverse = unique_in_order(keys)  # what the owner kept when the keys came (warm or pull)
+    asked = Asked(splits, uniq, inverse, first)
+    for native in (True, False):
+        with _native.disabled() if not native else contextlib.nullcontext():
+            want = merge_messages(msg, splits, divide)
+            got = merge_asked(rows, asked, divide)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[2], want[2])
+        assert got[1].tobytes() == want[1].tobytes()
+    gaps = Asked([0, 3, 0], uniq[:3], np.arange(3), np.arange(3))  # ranks that sent nothing
+    np.testing.assert_array_equal(merge_asked(rows[:3], gaps, True)[1], rows[:3])
+    none = Asked([0, 0, 0], uniq[:0], np.arange(0), np.arange(0))
+    assert [a.shape[0] for a in merge_asked(rows[:0], none, True)] == [0, 0, 0]
 
 
 def test_pack_puts_each_key_before_its_row_in_the_given_order():

@@ -61,7 +61,8 @@ def test_window_carries_its_routing_and_batch_unique(n):
     w = build_window(0, 0, 0, np.zeros((n, 32), np.float32), np.zeros((n, 32, 13), np.float32), keys.shape,
                      index_keys(keys), route=lambda k: route(k, table, 3))
     owner, order, splits = _reference(w.unique_keys, table, 3)
-    assert w.routing.keys is w.unique_keys and w.exchange_keys is w.routing
+    assert w.routing.keys is w.unique_keys and w.exchange_keys is w.exchange and w.exchange.routing is w.routing
+    assert w.exchange.asked is None  # nothing sent yet: warm or the pull fills it
     np.testing.assert_array_equal(w.routing.order, order)
     assert w.routing.splits == splits
     assert len(w.batch_unique) == n
@@ -70,7 +71,7 @@ def test_window_carries_its_routing_and_batch_unique(n):
         assert torch.equal(w.batch_unique[i][0], uniq) and torch.equal(w.batch_unique[i][1], inverse)
     plain = build_window(0, 0, 0, np.zeros((n, 32), np.float32), np.zeros((n, 32, 13), np.float32), keys.shape,
                          index_keys(keys))
-    assert plain.routing is None and plain.exchange_keys is plain.unique_keys
+    assert plain.routing is None and plain.exchange is None and plain.exchange_keys is plain.unique_keys
 
 
 @pytest.fixture

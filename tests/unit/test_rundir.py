@@ -119,7 +119,7 @@ def _cfg(run_dir: Path, data: Path, *flags: str):
 
 def _started_run(run_dir: Path, data: Path):
     """A run directory as a first start on one rank leaves it once checkpoint 0 is written."""
-    cfg = check_inputs(_cfg(run_dir, data), 0, 1, resume=False)
+    cfg, _ = check_inputs(_cfg(run_dir, data), 0, 1, resume=False)
     identity, notes = check_identity(cfg, run_dir, 1, resume=False)
     assert identity is not None and notes == []
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,11 +149,11 @@ def test_resume_with_other_model_data_or_rules_is_refused_with_every_difference(
             ["data.batch_size_per_rank: 64 -> 32", "merge.every_k_steps: 4 -> 8", "train.seed: 1234 -> 7"],
     }
     for flags, want in cases.items():
-        cfg = check_inputs(_cfg(run_dir, a, *flags), 0, 1, resume=True)
+        cfg, _ = check_inputs(_cfg(run_dir, a, *flags), 0, 1, resume=True)
         with pytest.raises(ValueError) as e:
             check_identity(cfg, run_dir, 1, resume=True)
         assert [line.strip() for line in str(e.value).splitlines()[1:-1]] == want
-    cfg = check_inputs(_cfg(run_dir, b), 0, 1, resume=True)
+    cfg, _ = check_inputs(_cfg(run_dir, b), 0, 1, resume=True)
     with pytest.raises(ValueError, match=r"(?s)--resume: this run differs.*data: the training data differ "
                                          r"\(manifest digest .* 2 -> 3 shards;"):
         check_identity(cfg, run_dir, 1, resume=True)
@@ -163,11 +163,11 @@ def test_resume_lists_what_may_change(datasets, tmp_path):
     a, _ = datasets
     run_dir = tmp_path / "run"
     _started_run(run_dir, a)
-    cfg = check_inputs(_cfg(run_dir, a, "--train.dense_lr=0.5", "--metrics.log_every_steps=3"), 0, 1, resume=True)
+    cfg, _ = check_inputs(_cfg(run_dir, a, "--train.dense_lr=0.5", "--metrics.log_every_steps=3"), 0, 1, resume=True)
     identity, notes = check_identity(cfg, run_dir, 1, resume=True)
     assert identity is None  # the first start's identity stays
     assert [n.strip() for n in notes[1:]] == ["metrics.log_every_steps: 20 -> 3", "train.dense_lr: 0.001 -> 0.5"]
-    same = check_inputs(_cfg(run_dir, a), 0, 1, resume=True)
+    same, _ = check_inputs(_cfg(run_dir, a), 0, 1, resume=True)
     assert check_identity(same, run_dir, 1, resume=True) == (None, [])
 
 
