@@ -157,14 +157,16 @@ def dense_payload_bytes(params: int, mode: MergeMode, states: MergeStates, compr
 
 def sparse_bytes_per_window(u: float, world_size: int, dim: int, mode: MergeMode,
                             prefetch: bool) -> dict[str, float]:
-    """Bytes a rank sends to other ranks per window: pull (keys out, rows answered), warm, push."""
+    """Bytes a rank sends to other ranks per window: pull (keys out, unless the warm sent them;
+    rows answered), warm (the keys), push (k-step: rows only, the owners kept the window's keys
+    from its warm or pull, hvctr.storage.exchange.WindowExchange; sync: keys and gradients)."""
     row = RowLayout(dim).row_bytes
     f = (world_size - 1) / world_size
-    out = {"pull": u * f * (KEY_BYTES + row), "warm": u * f * KEY_BYTES if prefetch else 0.0}
+    out = {"pull": u * f * ((0 if prefetch else KEY_BYTES) + row), "warm": u * f * KEY_BYTES if prefetch else 0.0}
     if mode is MergeMode.SYNC:
         out["push"] = u * f * (KEY_BYTES + 4 * RowLayout(dim).model_width)
     else:
-        out["push"] = u * f * (KEY_BYTES + row)
+        out["push"] = u * f * row
     return out
 
 

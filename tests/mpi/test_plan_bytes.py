@@ -41,9 +41,9 @@ def _sent_over_ranks(comm, table, op):
 def test_window_bytes_are_the_plans(comm, table):
     keys = np.unique(np.random.default_rng(3).integers(1, 2**63, size=700, dtype=np.uint64))
     u, w = keys.shape[0], comm.size
-    table.warm(keys, name="w.warm")
-    rows = table.pull(keys, name="w.pull")
-    table.push(keys, rows, name="w.push")
+    window = table.warm(keys, name="w.warm")  # as training does: the window's exchange, kept from its warm
+    rows = table.pull(window, name="w.pull")
+    table.push(window, rows, name="w.push")
     table.push_gradients(keys, torch.zeros(u, DIM + 1), lambda r, g: r, name="w.grads")
     kstep = sparse_bytes_per_window(u, w, DIM, MergeMode.KSTEP, prefetch=True)
     sync = sparse_bytes_per_window(u, w, DIM, MergeMode.SYNC, prefetch=True)

@@ -99,7 +99,9 @@ def test_dense_payload_is_what_sync_sends(compression):
 def test_sparse_bytes_closed_forms():
     row = 4 * (3 * 17 + 1)
     b = sparse_bytes_per_window(1000, 4, 16, MergeMode.KSTEP, prefetch=True)
-    assert b == {"pull": 750 * (8 + row), "warm": 750 * 8, "push": 750 * (8 + row)}
+    assert b == {"pull": 750 * row, "warm": 750 * 8, "push": 750 * row}  # the keys went with the warm
+    c = sparse_bytes_per_window(1000, 4, 16, MergeMode.KSTEP, prefetch=False)
+    assert c == {"pull": 750 * (8 + row), "warm": 0.0, "push": 750 * row}  # ... or with the pull
     s = sparse_bytes_per_window(1000, 4, 16, MergeMode.SYNC, prefetch=False)
     assert s == {"pull": 750 * (8 + row), "warm": 0.0, "push": 750 * (8 + 4 * 17)}
     assert sum(sparse_bytes_per_window(1000, 1, 16, MergeMode.KSTEP, True).values()) == 0
