@@ -64,7 +64,8 @@ ext_modules = [
         depends=[str(KERNELS / s) for s in SOURCES],
         include_dirs=[str(KERNELS)],
         define_macros=[("HV_SOURCE_SHA256", f'"{source_sha256()}"')],
-        extra_compile_args=CFLAGS,
+        extra_compile_args=CFLAGS + ["-pthread"],
+        extra_link_args=["-pthread"],
         libraries=["m"],
     )
 ] if native else []

@@ -22,7 +22,7 @@ export HVCTR_CACHE=${HVCTR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvctr}  # inst
 CONSTRAINTS=install/constraints.txt
 HOROVOD_VERSION=$(sed -n 's/^horovod==//p' "$CONSTRAINTS")
 TORCH_VERSION=$(sed -n 's/^torch==//p' "$CONSTRAINTS")
-APT_PACKAGES="openmpi-bin libopenmpi-dev libpmix-dev hwloc numactl hdf5-tools slurm-wlm munge shellcheck"
+APT_PACKAGES="openmpi-bin libopenmpi-dev libpmix-dev hwloc numactl hdf5-tools slurm-wlm munge shellcheck fio"
 
 log() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }

@@ -82,18 +82,21 @@ class Model:
     bias: float = 0.0
     day: int = 0  # the value effects' day (see _value_effects)
     drift: float = 0.0  # fraction of each value effect's variance renewed per day
+    unique_fields: int = 0  # the last this many fields carry a value unique to the row (an id), no signal
 
 
 @functools.lru_cache(maxsize=4)
 def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25,
-                day: int = 0, drift: float = 0.0) -> Model:
+                day: int = 0, drift: float = 0.0, unique_fields: int = 0) -> Model:
     """The hidden model of a seed (on a day), scaled and shifted to the target AUC and positive
     rate (cached: a Model is immutable and costs about a second to calibrate)."""
     if day < 0 or not 0.0 <= drift <= 1.0:
         raise ValueError(f"--day must be >= 0 and --drift in [0, 1], got {day} and {drift}")
+    if not 0 <= unique_fields <= NUM_FIELDS:
+        raise ValueError(f"--unique-fields must be in [0, {NUM_FIELDS}], got {unique_fields}")
     rng = np.random.default_rng([seed, 0])
     m = Model(
-        seed=seed, day=day, drift=drift,
+        seed=seed, day=day, drift=drift, unique_fields=unique_fields,
         vocab=np.maximum(np.array(CRITEO_VOCAB, dtype=np.int64), 10),
         zipf_a=rng.uniform(1.05, 1.4, NUM_FIELDS), zipf_q=rng.uniform(1.0, 20.0, NUM_FIELDS),
         cat_missing=np.array(CAT_MISSING), cat_scale=np.exp(rng.uniform(np.log(0.2), np.log(1.0), NUM_FIELDS)),
@@ -145,9 +148,10 @@ def _embeddings(h: np.ndarray) -> np.ndarray:
     return (parts.astype(np.float32) * np.float32(2.0 ** -16) - np.float32(0.5)) * np.float32(np.sqrt(12.0))
 
 
-def _draw(m: Model, rng: np.random.Generator, n: int):
+def _draw(m: Model, rng: np.random.Generator, n: int, first_row: int = 0):
     """One chunk: value ids [n,26] (-1 missing), integers [n,13], their missing mask, and the
-    logit before scale and bias."""
+    logit before scale and bias. The last ``m.unique_fields`` fields hold the row's index
+    (``first_row`` + i: a key seen once, as a request or user id is) and take no part in the logit."""
     # one uniform per value: below the missing rate it is missing, else rescaled and put
     # through the continuous inverse CDF of (k + q)^-a on [0, V), floored
     u = rng.random((n, NUM_FIELDS))
@@ -164,8 +168,12 @@ def _draw(m: Model, rng: np.random.Generator, n: int):
     ints[neg, 1] = -rng.integers(1, 4, neg.size)
     dmiss = rng.random((n, NUM_DENSE)) < m.dense_missing
 
-    h = mix64(ids.astype(np.uint64) ^ m.salts)  # missing (-1) hashes like any other value
     weight = _tail_weight(ids)
+    if m.unique_fields:
+        u0 = NUM_FIELDS - m.unique_fields
+        ids[:, u0:] = (first_row + np.arange(n, dtype=np.int64))[:, None]
+        weight[:, u0:] = 0.0
+    h = mix64(ids.astype(np.uint64) ^ m.salts)  # missing (-1) hashes like any other value
     logit = (_value_effects(m, h) * weight) @ m.cat_scale
     zd = (np.log1p(np.maximum(ints, 0)) - m.dense_mu) / m.dense_sigma
     zd[dmiss] = 0.0
@@ -224,7 +232,7 @@ def sample_chunk(m: Model, chunk: int, n: int):
     """Rows of one chunk: labels (uint8), integers, their missing mask, hex values (uint32),
     categorical missing mask, true probabilities."""
     rng = rng_for(m.seed, chunk, day=m.day)
-    ids, ints, dmiss, z = _draw(m, rng, n)
+    ids, ints, dmiss, z = _draw(m, rng, n, first_row=chunk * CHUNK_ROWS)
     p = _sigmoid(m.bias + m.scale * z)
     labels = (rng.random(n) < p).astype(np.uint8)
     return labels, ints, dmiss, _hex_values(ids, m.salts), ids < 0, p
@@ -340,12 +348,15 @@ class Scores:
 
 
 def generate(rows: int, seed: int, out: str, truth_out: str | None = None,
-             target_auc: float = 0.80, positive_rate: float = 0.25, day: int = 0, drift: float = 0.0) -> dict:
+             target_auc: float = 0.80, positive_rate: float = 0.25, day: int = 0, drift: float = 0.0,
+             unique_fields: int = 0) -> dict:
     """Writes the TSV (and the truth file); returns the model's and the file's scores."""
     if rows < 1:
         raise ValueError(f"--rows must be >= 1, got {rows}")
     t0 = time.monotonic()
-    model = build_model(seed, target_auc, positive_rate, day, drift)
+    if rows >= 1 << 32 and unique_fields:
+        raise ValueError(f"--unique-fields: ids are 32-bit, so at most {(1 << 32) - 1:,} rows, got {rows:,}")
+    model = build_model(seed, target_auc, positive_rate, day, drift, unique_fields)
     scores = Scores()
     outs = [(out, out + ".tmp")] + ([(truth_out, truth_out + ".tmp")] if truth_out else [])
     try:
@@ -365,7 +376,8 @@ def generate(rows: int, seed: int, out: str, truth_out: str | None = None,
         os.replace(tmp, final)
     return {"rows": rows, "seed": seed, "seconds": time.monotonic() - t0,
             "model": {"scale": model.scale, "bias": model.bias, "target_auc": target_auc,
-                      "positive_rate": positive_rate, "day": day, "drift": drift}, **scores.result()}
+                      "positive_rate": positive_rate, "day": day, "drift": drift, "unique_fields": unique_fields},
+            **scores.result()}
 
 
 class _closing:
@@ -390,12 +402,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--day", type=int, default=0, help="day of a drifting click model (same keys, fresh rows)")
     p.add_argument("--drift", type=float, default=0.0,
                    help="fraction of each value effect's variance renewed per day (0: no drift)")
+    p.add_argument("--unique-fields", type=int, default=0, metavar="U",
+                   help="the table's size knob: the last U categorical fields hold a value unique to each row "
+                        "(an id: U new keys a row, U x rows keys in all) that carries no signal; 0 (default): "
+                        "every field from the click model")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         r = generate(args.rows, args.seed, args.out, args.truth_out, args.target_auc, args.positive_rate,
-                     args.day, args.drift)
+                     args.day, args.drift, args.unique_fields)
     except ValueError as e:
         print(f"data_prep synth: error: {e}", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ import numpy as np
 
 from hvctr.formats import default_bucket_owner
 from hvctr.log import get_logger
-from hvctr.kernels import native
+from hvctr.kernels import diskio, native
 from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
 from hvctr.formats.space import check_free_space
 
@@ -209,7 +209,11 @@ def write_reserved(path: Path, attrs: dict[str, Any], n_rows: int, width: int, p
             n = 0
             for keys, rows, last_seen in parts:
                 for name, a in (("keys", keys), ("rows", rows), ("last_seen", last_seen)):
-                    pwrite_all(fd, a.astype(specs[name][1], copy=False), offsets[name] + n * stride[name])
+                    at = offsets[name] + n * stride[name]
+                    pwrite_all(fd, a.astype(specs[name][1], copy=False), at)
+                    # flushed and dropped behind: a checkpoint of a table larger than the job's
+                    # memory leaves no dirty pages to a memory cgroup
+                    diskio.write_behind(fd, str(tmp), at, a.shape[0] * stride[name])
                 n += keys.shape[0]
             assert n == n_rows, f"{n} rows written, {n_rows} counted: the store changed during a checkpoint"
     except BaseException:

@@ -45,6 +45,10 @@ class CheckpointManager:
         self._last: dict[str, Any] | None = None  # manifest of the newest checkpoint written or loaded
         self._force_base = False  # set after compaction: dropped rows live on in the old base
 
+    def last_manifest(self) -> dict[str, Any] | None:
+        """The manifest of the newest checkpoint written or loaded (None before either)."""
+        return self._last
+
     def force_base(self) -> None:
         """Makes the next checkpoint a base (every rank must call it at the same point)."""
         self._force_base = True

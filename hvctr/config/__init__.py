@@ -60,6 +60,11 @@ class CachePolicy(str, enum.Enum):
     LFU = "lfu"  # LFU with aging: counts halve every storage.lfu_aging_lookups lookups
 
 
+class ShardIO(str, enum.Enum):
+    PREAD = "pread"  # a pool of threads reads many rows at once; nothing mapped, write-back flushed and dropped
+    MMAP = "mmap"  # the reference path: rows through np.memmap, one page fault at a time
+
+
 class ModelArch(str, enum.Enum):
     DNN = "dnn"
     DEEPFM = "deepfm"
@@ -107,6 +112,11 @@ class StorageConfig:
     max_load_factor: float = 0.8  # the shard is full (an error) past this fraction of its slots
     cpu_cache_bytes: int = 256 << 20  # the CPU cache's budget of anonymous memory, per rank
     cache_policy: CachePolicy = CachePolicy.LFU  # which rows the CPU cache keeps when it is full
+    # how the shard file is read and written: pread (the C kernels' I/O pool, at the device's queue
+    # depth; a table many times the job's memory, a memory cgroup counting page cache) or mmap
+    # (the reference path, and the one taken under HVCTR_NATIVE=0)
+    shard_io: ShardIO = ShardIO.PREAD
+    io_threads: int = 32  # reads in flight per rank on the pread path (this disk saturates near 32)
     lfu_aging_lookups: int = 1 << 22  # LFU counts halve after this many key lookups
     max_working_set_rows: int = 1 << 21  # bound of a window's unique rows; the window shrinks to fit
     admit_after: int = 0  # a key seen fewer times is not stored: it reads the shared default row
@@ -434,6 +444,8 @@ def _validate(cfg: Config) -> None:
     for k in ("beta1", "beta2"):
         _require(0 <= getattr(t, k) < 1, f"train.{k}", f"must be in [0, 1), got {getattr(t, k)}")
     _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {cfg.checkpoint.keep}")
+    _require(cfg.storage.io_threads >= 1, "storage.io_threads", f"must be >= 1, got {cfg.storage.io_threads}")
+    _require(cfg.storage.io_threads <= 256, "storage.io_threads", f"must be <= 256, got {cfg.storage.io_threads}")
     _require(cfg.checkpoint.every_windows >= 0, "checkpoint.every_windows", "must be >= 0")
     _require(cfg.checkpoint.compact_every >= 1, "checkpoint.compact_every", "must be >= 1")
     _require(cfg.metrics.log_every_steps >= 1, "metrics.log_every_steps", "must be >= 1")

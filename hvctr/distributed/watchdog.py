@@ -24,6 +24,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from hvctr import memcg
 from hvctr.distributed.world import abort_job
 
 EXIT_STALLED = 3  # the exit status of a job the watchdog ended
@@ -93,11 +94,15 @@ class CollectiveWatchdog:
                 continue
             self._fired = True
             name, waited = found
+            # A full memory cgroup (the node's ranks share the job's) is the usual reason a rank
+            # stops reaching collectives without failing: say so where it is the case.
+            pressure = memcg.pressure_note(memcg.current())
             self._on_stall(
                 f"rank {self.rank}: collective {name!r} has waited {waited:.0f} s for the other ranks "
                 f"({self.setting} = {self.timeout_s:g}): a rank is not reaching it (hung, frozen, or stuck "
                 f"in I/O; Horovod's stall warnings above name the ranks whose processes still run). "
-                f"Ending the job; --resume continues from the last complete checkpoint.")
+                + (f"{pressure}. " if pressure else "")
+                + "Ending the job; --resume continues from the last complete checkpoint.")
 
     def _abort(self, message: str) -> None:
         print(f"{self.program}: error: {message}", file=sys.stderr, flush=True)

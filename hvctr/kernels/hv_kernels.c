@@ -6,11 +6,20 @@
    plain shared library that hvctr/kernels/native.py loads with ctypes; nothing is compiled at
    run time. The row layout comes from hv_row.h, generated from hvctr.formats.
 
-   Every kernel walks its inputs in order on one thread: results do not depend on timing. */
+   Every compute kernel walks its inputs in order on one thread: results do not depend on timing.
+   The shard's I/O kernels (hv_io_read, hv_io_write, at the end) use a pool of threads to keep
+   many reads in flight; each byte still goes to one fixed place, so their results do not depend
+   on timing either. */
 
+#define _GNU_SOURCE /* pread, pwrite, posix_fadvise, sync_file_range; before any header */
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "hv_row.h"
 
@@ -307,4 +316,315 @@ void hv_sum_rows_ld(const int64_t *inverse, int64_t n, const float *grad, int64_
         const float *g = grad + i * c;
         for (int64_t j = 0; j < c; ++j) o[j] += g[j];
     }
+}
+
+
+/* ---- the SSD shard's I/O: many reads in flight, write-behind ---------------------------------
+
+   A window's cold rows and index blocks are read with a pool of threads doing pread, so the
+   device sees up to `threads` requests at once (a memmap's page faults are one at a time, and
+   each drags in the file's readahead). Items are given as sorted positions: item i lies at
+   base + pos[i] * item_bytes. Items whose 4 KiB pages are the same or adjacent are coalesced into
+   one read of their page-aligned span (at most HV_IO_MAX_RUN bytes) into a thread's scratch, then
+   copied out.
+
+   Writes read-modify-write whole pages: the span of a run of items (pages that hold nothing
+   else of this batch are not touched) is read by the pool, patched, and written back whole, so
+   the kernel never reads a partly written page itself (buffered writes to one file serialise on
+   its inode lock: a page read inside one would be a read at depth 1). Runs of one write never
+   share a page. With HV_IO_WRITE_BEHIND the written span is then flushed (sync_file_range) and
+   dropped from the page cache: a memory cgroup counts page cache, and v1 does not throttle a
+   group's dirty pages.
+
+   Both return 0, or -errno of the first failed system call (-EIO: an item past the end of the
+   file). stats (if not NULL): [runs, bytes moved by system calls, system calls]. */
+
+#define HV_IO_PAGE 4096LL
+#define HV_IO_MAX_RUN (256LL * 1024)
+#define HV_IO_MAX_THREADS 256
+#define HV_IO_WRITE_BEHIND 1
+#define HV_IO_DROP_BEHIND 2
+
+typedef struct { int64_t first, count, lo, hi; } hv_io_run;
+
+typedef struct {
+    int fd, write, flags;
+    int64_t base, item_bytes;
+    const int64_t *pos;
+    char *buf;
+    const hv_io_run *runs;
+    int64_t nruns, next, err, calls, bytes;
+} hv_io_job;
+
+static inline int64_t io_floor(int64_t x) { return x & ~(HV_IO_PAGE - 1); }
+static inline int64_t io_ceil(int64_t x) { return (x + HV_IO_PAGE - 1) & ~(HV_IO_PAGE - 1); }
+
+/* Sorted items -> runs of page-aligned spans. Reads: an item joins the run when its first page is
+   at most the run's last page + 1, and runs are cut at the cap anywhere. Writes: the same, but a
+   run is cut only where the next item starts on a fresh page (two runs never share a page). */
+static int64_t io_make_runs(const hv_io_job *jb, hv_io_run *runs)
+{
+    const int64_t *pos = jb->pos, ib = jb->item_bytes, base = jb->base;
+    const int64_t n = jb->nruns; /* the item count, passed in here */
+    int64_t nr = 0;
+    for (int64_t i = 0; i < n;) {
+        int64_t at = base + pos[i] * ib, end = at + ib, lo = io_floor(at), j = i + 1;
+        while (j < n) {
+            int64_t a = base + pos[j] * ib, e = a + ib;
+            if (a < end || io_floor(a) > io_floor(end - 1) + HV_IO_PAGE) break;
+            int fresh = io_floor(a) > io_floor(end - 1);
+            if (io_ceil(e) - lo > HV_IO_MAX_RUN && (!jb->write || fresh)) break;
+            end = e;
+            ++j;
+        }
+        runs[nr].first = i;
+        runs[nr].count = j - i;
+        runs[nr].lo = lo;
+        runs[nr].hi = io_ceil(end);
+        ++nr;
+        i = j;
+    }
+    return nr;
+}
+
+/* pread of [at, at + len): *got bytes before the end of the file (the rest is zeroed). */
+static int64_t io_pread(hv_io_job *jb, char *p, int64_t len, int64_t at, int64_t *got)
+{
+    *got = 0;
+    while (len > 0) {
+        ssize_t r = pread(jb->fd, p, (size_t)len, at);
+        __atomic_fetch_add(&jb->calls, 1, __ATOMIC_RELAXED);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (r == 0) { memset(p, 0, (size_t)len); return 0; }
+        p += r; len -= r; at += r; *got += r;
+    }
+    return 0;
+}
+
+static int64_t io_pwrite(hv_io_job *jb, const char *p, int64_t len, int64_t at)
+{
+    while (len > 0) {
+        ssize_t r = pwrite(jb->fd, p, (size_t)len, at);
+        __atomic_fetch_add(&jb->calls, 1, __ATOMIC_RELAXED);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        p += r; len -= r; at += r;
+    }
+    return 0;
+}
+
+static int64_t io_do_run(hv_io_job *jb, const hv_io_run *r, char **scratch, int64_t *cap)
+{
+    const int64_t ib = jb->item_bytes, span = r->hi - r->lo;
+    const int64_t first_at = jb->base + jb->pos[r->first] * ib;
+    const int64_t need = jb->base + jb->pos[r->first + r->count - 1] * ib + ib - r->lo;
+    int64_t got = 0, rc;
+    if (jb->write && first_at == r->lo && need == r->count * ib && need == span) {
+        /* whole pages, items end to end: straight from the caller's buffer */
+        rc = io_pwrite(jb, jb->buf + r->first * ib, span, r->lo);
+        if (!rc) __atomic_fetch_add(&jb->bytes, span, __ATOMIC_RELAXED);
+        return rc;
+    }
+    if (span > *cap) {
+        char *bigger = malloc((size_t)span);
+        if (!bigger) return -ENOMEM;
+        free(*scratch);
+        *scratch = bigger;
+        *cap = span;
+    }
+    const int64_t last_end = jb->base + jb->pos[r->first + r->count - 1] * ib + ib;
+    if (jb->write && jb->pos[r->first + r->count - 1] - jb->pos[r->first] + 1 == r->count && span > 2 * HV_IO_PAGE) {
+        /* items end to end: only the first and the last page hold bytes of others */
+        int64_t g1 = HV_IO_PAGE, g2 = HV_IO_PAGE;
+        if (first_at > r->lo && (rc = io_pread(jb, *scratch, HV_IO_PAGE, r->lo, &g1))) return rc;
+        if (last_end < r->hi && (rc = io_pread(jb, *scratch + span - HV_IO_PAGE, HV_IO_PAGE, r->hi - HV_IO_PAGE, &g2)))
+            return rc;
+        got = g2 < HV_IO_PAGE ? span - HV_IO_PAGE + g2 : span; /* the file may end inside the last page */
+        memcpy(*scratch + (first_at - r->lo), jb->buf + r->first * ib, (size_t)(r->count * ib));
+        const int64_t len = got < span ? (need > got ? need : got) : span;
+        rc = io_pwrite(jb, *scratch, len, r->lo);
+        if (!rc) __atomic_fetch_add(&jb->bytes, len + (first_at > r->lo) * HV_IO_PAGE + (last_end < r->hi) * HV_IO_PAGE,
+                                    __ATOMIC_RELAXED);
+        return rc;
+    }
+    rc = io_pread(jb, *scratch, span, r->lo, &got);
+    if (rc) return rc;
+    if (!jb->write) {
+        if (got < need) return -EIO; /* an item past the end of the file */
+        for (int64_t k = 0; k < r->count; ++k) {
+            const int64_t i = r->first + k;
+            memcpy(jb->buf + i * ib, *scratch + (jb->base + jb->pos[i] * ib - r->lo), (size_t)ib);
+        }
+        if (jb->flags & HV_IO_DROP_BEHIND) posix_fadvise(jb->fd, r->lo, span, POSIX_FADV_DONTNEED);
+        __atomic_fetch_add(&jb->bytes, span, __ATOMIC_RELAXED);
+        return 0;
+    }
+    for (int64_t k = 0; k < r->count; ++k) {
+        const int64_t i = r->first + k;
+        memcpy(*scratch + (jb->base + jb->pos[i] * ib - r->lo), jb->buf + i * ib, (size_t)ib);
+    }
+    const int64_t len = got < span ? (need > got ? need : got) : span; /* never grow the file past its items */
+    rc = io_pwrite(jb, *scratch, len, r->lo);
+    if (!rc) __atomic_fetch_add(&jb->bytes, 2 * len, __ATOMIC_RELAXED);
+    return rc;
+}
+
+static void *io_worker(void *arg)
+{
+    hv_io_job *jb = arg;
+    int64_t cap = HV_IO_MAX_RUN + 2 * HV_IO_PAGE;
+    char *scratch = malloc((size_t)cap);
+    if (!scratch) {
+        int64_t zero = 0;
+        __atomic_compare_exchange_n(&jb->err, &zero, -ENOMEM, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+        return NULL;
+    }
+    for (;;) {
+        if (__atomic_load_n(&jb->err, __ATOMIC_RELAXED)) break;
+        const int64_t k = __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED);
+        if (k >= jb->nruns) break;
+        const int64_t rc = io_do_run(jb, &jb->runs[k], &scratch, &cap);
+        if (rc) {
+            int64_t zero = 0;
+            __atomic_compare_exchange_n(&jb->err, &zero, rc, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+            break;
+        }
+    }
+    free(scratch);
+    return NULL;
+}
+
+static int64_t io_batch(int64_t fd, int64_t base, int64_t item_bytes, const int64_t *pos, int64_t n, char *buf,
+                        int64_t threads, int64_t flags, int64_t write, int64_t *stats)
+{
+    if (stats) stats[0] = stats[1] = stats[2] = 0;
+    if (n <= 0) return 0;
+    if (item_bytes <= 0 || item_bytes > HV_IO_MAX_RUN / 2 || base < 0) return -EINVAL;
+    for (int64_t i = 0; i < n; ++i)
+        if (pos[i] < 0 || (i && pos[i] <= pos[i - 1])) return -EINVAL; /* sorted, unique */
+    hv_io_run *runs = malloc(sizeof(hv_io_run) * (size_t)n);
+    if (!runs) return -ENOMEM;
+    hv_io_job jb = {.fd = (int)fd, .write = (int)write, .flags = (int)flags, .base = base, .item_bytes = item_bytes,
+                    .pos = pos, .buf = buf, .runs = runs, .nruns = n};
+    jb.nruns = io_make_runs(&jb, runs);
+    int64_t nt = threads < 1 ? 1 : threads;
+    if (nt > jb.nruns) nt = jb.nruns;
+    if (nt > HV_IO_MAX_THREADS) nt = HV_IO_MAX_THREADS;
+    pthread_t tid[HV_IO_MAX_THREADS];
+    int64_t started = 0;
+    for (; started < nt - 1; ++started)
+        if (pthread_create(&tid[started], NULL, io_worker, &jb)) break; /* fewer threads, same result */
+    io_worker(&jb); /* the calling thread works too */
+    for (int64_t t = 0; t < started; ++t) pthread_join(tid[t], NULL);
+    int64_t rc = jb.err;
+    if (!rc && write && (flags & HV_IO_WRITE_BEHIND)) {
+        const int64_t lo = io_floor(base + pos[0] * item_bytes), hi = io_ceil(base + pos[n - 1] * item_bytes + item_bytes);
+        if (sync_file_range((int)fd, lo, hi - lo, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
+                                                       SYNC_FILE_RANGE_WAIT_AFTER) < 0)
+            rc = -errno;
+        else
+            posix_fadvise((int)fd, lo, hi - lo, POSIX_FADV_DONTNEED);
+    }
+    if (stats) { stats[0] = jb.nruns; stats[1] = jb.bytes; stats[2] = jb.calls; }
+    free(runs);
+    return rc;
+}
+
+int64_t hv_io_read(int64_t fd, int64_t base, int64_t item_bytes, const int64_t *pos, int64_t n, void *out,
+                   int64_t threads, int64_t flags, int64_t *stats)
+{
+    return io_batch(fd, base, item_bytes, pos, n, (char *)out, threads, flags, 0, stats);
+}
+
+int64_t hv_io_write(int64_t fd, int64_t base, int64_t item_bytes, const int64_t *pos, int64_t n, const void *data,
+                    int64_t threads, int64_t flags, int64_t *stats)
+{
+    return io_batch(fd, base, item_bytes, pos, n, (char *)data, threads, flags, 1, stats);
+}
+
+/* Flushes [offset, offset + len) of fd to the device and drops it from the page cache (the
+   checkpoint's and the flush's sequential writes, behind them). 0 or -errno. */
+int64_t hv_io_write_behind(int64_t fd, int64_t offset, int64_t len)
+{
+    if (len <= 0) return 0;
+    if (sync_file_range((int)fd, offset, len, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
+                                                  SYNC_FILE_RANGE_WAIT_AFTER) < 0)
+        return -errno;
+    posix_fadvise((int)fd, offset, len, POSIX_FADV_DONTNEED);
+    return 0;
+}
+
+/* ---- the shard's key index over blocks read from the file ------------------------------------
+
+   The index is an open-addressing table of nslots hv_slot entries (empty: HV_EMPTY_KEY), linear
+   probing from mix64(key ^ salt) % nslots. Instead of mapping all of it, the shard reads the
+   blocks a batch needs (spb slots each; block b holds slots [b * spb, (b + 1) * spb)) and probes
+   them here: `ids` are the loaded blocks' numbers, ascending, `blocks` their nb * spb slots.
+
+   hv_index_find: for each key, walks from cur[i] (its home on the first call); found: out[i] =
+   its value; an empty slot: out[i] = -1 (absent); a slot in a block not loaded: need[i] = that
+   block and cur[i] = the slot, to be called again with it loaded. need[i] = -1 when done.
+   hv_index_claim: the same walk for keys known absent, in batch order: the first empty slot
+   takes key -> values[i] (in `blocks`; dirty[j] = 1 for each block j written), out[i] = slot.
+   Both return how many keys still need a block (-1 - i: key i walked the whole table). */
+
+static int64_t io_block_of(const int64_t *ids, int64_t nb, int64_t b)
+{
+    int64_t lo = 0, hi = nb;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (ids[mid] < b) lo = mid + 1; else hi = mid;
+    }
+    return lo < nb && ids[lo] == b ? lo : -1;
+}
+
+int64_t hv_index_find(const int64_t *ids, int64_t nb, const hv_slot *blocks, int64_t spb, int64_t nslots,
+                      const uint64_t *keys, int64_t n, int64_t *cur, int64_t *out, int64_t *need)
+{
+    int64_t pending = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t s = cur[i], j = io_block_of(ids, nb, s / spb), probed = 0;
+        need[i] = -1;
+        for (;;) {
+            if (j < 0) { need[i] = s / spb; cur[i] = s; ++pending; break; }
+            const hv_slot *t = blocks + j * spb + (s % spb);
+            if (t->key == keys[i]) { out[i] = t->value; break; }
+            if (t->key == HV_EMPTY_KEY) { out[i] = -1; break; }
+            if (++probed == nslots) return -1 - i;
+            if (++s == nslots) s = 0;
+            if (s % spb == 0) j = io_block_of(ids, nb, s / spb);
+        }
+    }
+    return pending;
+}
+
+int64_t hv_index_claim(const int64_t *ids, int64_t nb, hv_slot *blocks, int64_t spb, int64_t nslots,
+                       const uint64_t *keys, const int64_t *values, int64_t n, int64_t *cur, int64_t *out,
+                       int64_t *need, int8_t *dirty)
+{
+    int64_t pending = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t s = cur[i], j = io_block_of(ids, nb, s / spb), probed = 0;
+        need[i] = -1;
+        for (;;) {
+            if (j < 0) { need[i] = s / spb; cur[i] = s; ++pending; break; }
+            hv_slot *t = blocks + j * spb + (s % spb);
+            if (t->key == HV_EMPTY_KEY) {
+                t->key = keys[i];
+                t->value = values[i];
+                dirty[j] = 1;
+                out[i] = s;
+                break;
+            }
+            if (++probed == nslots) return -1 - i;
+            if (++s == nslots) s = 0;
+            if (s % spb == 0) j = io_block_of(ids, nb, s / spb);
+        }
+    }
+    return pending;
 }

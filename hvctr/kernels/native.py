@@ -93,6 +93,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         "hv_put_rows": ([ptr, i64, ptr, i64, ptr], None),
         "hv_gather_split": ([ptr, i64, ptr, i64, i64, ptr, ptr], None),
         "hv_sum_rows_ld": ([ptr, i64, ptr, i64, ptr, i64], None),
+        "hv_io_read": ([i64, i64, i64, ptr, i64, ptr, i64, i64, ptr], i64),
+        "hv_io_write": ([i64, i64, i64, ptr, i64, ptr, i64, i64, ptr], i64),
+        "hv_io_write_behind": ([i64, i64, i64], i64),
+        "hv_index_find": ([ptr, i64, ptr, i64, i64, ptr, i64, ptr, ptr, ptr], i64),
+        "hv_index_claim": ([ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr], i64),
     }
     for name, (argtypes, restype) in sigs.items():
         f = getattr(lib, name)

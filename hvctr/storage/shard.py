@@ -18,15 +18,26 @@ The slot of a key is ``mix64(key ^ slot_seed) % S``, then linear probing. An ind
 crosses a block end). The slot hash is independent of the owner hash (``mix64(key) >> 52``):
 reusing the owner's bits would leave a rank only a fraction of its slots.
 
-HDF5 only describes the file: after creation the hot path maps the datasets by their file
-offsets (``dset.id.get_offset()``), reads rows with np.memmap in sorted order, and writes rows
-and row_meta with os.pwrite (a write through mmap into a file on a full disk is a SIGBUS, not
+HDF5 only describes the file: after creation the hot path reads and writes the datasets by their
+file offsets (``dset.id.get_offset()``). Two paths, chosen by ``storage.shard_io``:
+
+- ``pread`` (the default): every read and write of rows, row_meta and index blocks goes through
+  the C kernels' I/O pool (hvctr.kernels.diskio): a batch's items sorted, coalesced where they
+  share a page, many reads in flight, no readahead (POSIX_FADV_RANDOM), written pages flushed and
+  dropped behind the write. Nothing of the file is mapped: a table many times the memory the job
+  may use (a memory cgroup counts page cache) trains at the device's random-read rate, and its
+  page cache is clean and reclaimable. The index is probed over the blocks a batch needs, read by
+  the pool (``hv_index_find`` / ``hv_index_claim``): a probe run that crosses a block end reads
+  the next block in a second round.
+- ``mmap`` (the reference the tests compare against, and the path under HVCTR_NATIVE=0): rows
+  read with np.memmap in sorted order (one page fault at a time), rows and row_meta written with
+  os.pwrite (a write through mmap into a file on a full disk is a SIGBUS, not
 an error). h5py's fancy indexing is never used (1-2k rows/s chunked, against 0.7M rows/s by
 offset). The file is fully allocated at creation (HDF5 early allocation plus posix_fallocate:
 ``hvctr.formats.h5alloc``, which the checkpoint's rank files use too),
 so a full disk fails then, not in the middle of training. Any h5py or h5dump reads it.
 
-Index entries are the exception: they are written through a shared map of the index. New
+On the mmap path index entries are the exception: they are written through a shared map of the index. New
 keys land on random slots, so writing them by pwrite costs one system call per key (about
 3 us: 2 s of every 40 in the first epoch of the training benchmark); through the map it is a
 store. The map cannot fault for space: every index block was written at creation (the empty
@@ -48,6 +59,7 @@ import numpy as np
 from hvctr.formats import EMPTY_KEY, NUM_BUCKETS, RowLayout, mix64
 from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
 from hvctr.formats.space import check_free_space
+from hvctr.kernels import diskio, native
 from hvctr.storage import _probe
 
 FORMAT_VERSION = 1
@@ -58,6 +70,8 @@ _MERGE_BUFFER_BYTES = 1 << 20
 META_DTYPE = np.dtype([("key", "<u8"), ("last_seen", "<i4"), ("generation", "<i4")])
 STATE_DTYPE = np.dtype([("n_rows", "<i8"), ("generation", "<i8"), ("pass_index", "<i8"), ("clean", "<i8")])
 _SLOT_SALT = np.uint64(0xD1B54A32D192ED03)
+SHARD_IO = ("pread", "mmap")
+_INDEX_CHUNK = 4096  # keys probed per round of index block reads (at most 16 MiB of blocks in memory)
 
 
 def slot_seed_of(seed: int) -> int:
@@ -177,8 +191,13 @@ class Shard:
     Not thread-safe: EmbeddingStore serialises access.
     """
 
-    def __init__(self, path: str | Path, writable: bool = True) -> None:
+    def __init__(self, path: str | Path, writable: bool = True, io: str = "pread",
+                 io_threads: int = diskio.DEFAULT_THREADS) -> None:
         self.path = str(path)
+        if io not in SHARD_IO:
+            raise ValueError(f"config key 'storage.shard_io': {io!r}; expected one of {', '.join(SHARD_IO)}")
+        if io_threads < 1:
+            raise ValueError(f"config key 'storage.io_threads': must be >= 1, got {io_threads}")
         if not os.path.isfile(self.path):
             raise ValueError(f"shard file {self.path} does not exist")
         try:
@@ -207,13 +226,23 @@ class Shard:
         self._off = {k: int(v) for k, v in offs.items()}
         self.writable = writable
         self._fd = os.open(self.path, os.O_RDWR if writable else os.O_RDONLY)
-        # Index entries go through the map where overwriting allocates nothing (module docstring).
-        self.index_by_map = writable and file_system_type(self.path) not in _COPY_ON_WRITE_FS
-        self._index = np.memmap(self.path, INDEX_DTYPE, "r+" if self.index_by_map else "r", self._off["index"],
-                                (self.num_slots,))
-        self._index_keys = self._index["key"]
-        self._rows = np.memmap(self.path, np.float32, "r", self._off["rows"], (self.capacity, self.layout.width))
-        self._meta = np.memmap(self.path, META_DTYPE, "r", self._off["row_meta"], (self.capacity,))
+        # pread needs the C kernels' pool; without them (HVCTR_NATIVE=0) the reference path runs
+        self.io = io if io == "mmap" or diskio.available() else "mmap"
+        self.io_threads = int(io_threads)
+        self.io_stats = diskio.IOStats()
+        self.index_blocks_read = 0
+        self._index = self._index_keys = self._rows = self._meta = None
+        self.index_by_map = False
+        if self.io == "pread":
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: reads are rows, not streams
+        else:
+            # Index entries go through the map where overwriting allocates nothing (module docstring).
+            self.index_by_map = writable and file_system_type(self.path) not in _COPY_ON_WRITE_FS
+            self._index = np.memmap(self.path, INDEX_DTYPE, "r+" if self.index_by_map else "r", self._off["index"],
+                                    (self.num_slots,))
+            self._index_keys = self._index["key"]
+            self._rows = np.memmap(self.path, np.float32, "r", self._off["rows"], (self.capacity, self.layout.width))
+            self._meta = np.memmap(self.path, META_DTYPE, "r", self._off["row_meta"], (self.capacity,))
         self.n_rows = int(state["n_rows"])
         self.generation = int(state["generation"])
         self.pass_index = int(state["pass_index"])
@@ -228,7 +257,7 @@ class Shard:
     @classmethod
     def create(cls, path: str | Path, *, dim: int, capacity: int, world_size: int, rank: int,
                bucket_owner: np.ndarray, seed: int, init_scale: float,
-               max_load_factor: float) -> "Shard":
+               max_load_factor: float, io: str = "pread", io_threads: int = diskio.DEFAULT_THREADS) -> "Shard":
         """Writes an empty shard under a temporary name, allocates it fully, renames it.
 
         HDF5 writes only the skeleton (attributes, the bucket table, dataset headers: KiBs);
@@ -273,11 +302,12 @@ class Shard:
                              f"{capacity} rows and their index): {e.strerror or e}; free space there, point "
                              f"storage.shard_dir at a larger disk or lower storage.rows_per_rank") from None
         os.replace(tmp, path)
-        return cls(path)
+        return cls(path, io=io, io_threads=io_threads)
 
     @classmethod
-    def open(cls, path: str | Path, writable: bool = True) -> "Shard":
-        return cls(path, writable)
+    def open(cls, path: str | Path, writable: bool = True, io: str = "pread",
+             io_threads: int = diskio.DEFAULT_THREADS) -> "Shard":
+        return cls(path, writable, io, io_threads)
 
     # --- index -------------------------------------------------------------------------
 
@@ -294,6 +324,8 @@ class Shard:
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Row position of each key in this shard, -1 where absent (int64 [n])."""
         keys = np.asarray(keys, dtype=np.uint64)
+        if self.io == "pread":
+            return self._probe_blocks(keys)
         lib = _probe.native_table(self._index)
         if lib is not None:
             return _probe.find_values(lib, self._index, keys, self.slot_seed, empty_by_key=True)
@@ -319,6 +351,11 @@ class Shard:
                 f"and {n} new keys to add; raise storage.rows_per_rank (or drop rare keys with "
                 f"storage.admit_after / old ones with storage.ttl_passes)")
         pos = self.n_rows + np.arange(n, dtype=np.int64)
+        if self.io == "pread":
+            self._probe_blocks(keys, pos)
+            self._write_meta(pos, keys)
+            self.n_rows += n
+            return pos
         lib = _probe.native_table(self._index) if self.index_by_map else None
         if lib is not None:  # entries stored through the map, in C
             _probe.claim_slots(lib, self._index, keys, pos, self.slot_seed, empty_by_key=True)
@@ -346,14 +383,89 @@ class Shard:
         self.n_rows += n
         return pos
 
+    def _read_index_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        """Index blocks (sorted unique numbers) as [n, SLOTS_PER_BLOCK] entries, read by the pool."""
+        out = np.empty((blocks.shape[0], SLOTS_PER_BLOCK), dtype=INDEX_DTYPE)
+        diskio.read(self._fd, self.path, self._off["index"], BLOCK_BYTES, blocks, out, self.io_threads,
+                      self.io_stats)
+        self.index_blocks_read += blocks.shape[0]
+        return out
+
+    def _probe_blocks(self, keys: np.ndarray, claim: np.ndarray | None = None) -> np.ndarray:
+        """The pread path's index: each key's row position (-1: absent) or, with ``claim`` (row
+        positions of keys known absent), stores key -> position in the first empty slot from its
+        home and writes the changed blocks back. Keys go in home order, ``_INDEX_CHUNK`` at a time:
+        one round reads the blocks their walks start in, a later round the next block of walks
+        that cross a block end (claimed blocks are written before a later round reads again)."""
+        lib = native.lib()
+        n = keys.shape[0]
+        result = np.full(n, -1, dtype=np.int64)
+        if n == 0:
+            return result
+        home = self._home(keys)
+        order = np.argsort(home, kind="stable")
+        for c0 in range(0, n, _INDEX_CHUNK):
+            idx = order[c0:c0 + _INDEX_CHUNK]
+            k, cur = np.ascontiguousarray(keys[idx]), np.ascontiguousarray(home[idx])
+            vals = None if claim is None else np.ascontiguousarray(claim[idx], dtype=np.int64)
+            res = np.full(idx.shape[0], -1, dtype=np.int64)
+            need = cur // SLOTS_PER_BLOCK
+            todo = np.arange(idx.shape[0])
+            while todo.size:
+                blocks = np.unique(need[todo])
+                data = self._read_index_blocks(blocks)
+                kt, ct = np.ascontiguousarray(k[todo]), np.ascontiguousarray(cur[todo])
+                rt, nt = np.empty(todo.shape[0], dtype=np.int64), np.empty(todo.shape[0], dtype=np.int64)
+                if vals is None:
+                    left = lib.hv_index_find(blocks.ctypes.data, blocks.shape[0], data.ctypes.data, SLOTS_PER_BLOCK,
+                                             self.num_slots, kt.ctypes.data, kt.shape[0], ct.ctypes.data,
+                                             rt.ctypes.data, nt.ctypes.data)
+                else:
+                    vt = np.ascontiguousarray(vals[todo])
+                    dirty = np.zeros(blocks.shape[0], dtype=np.int8)
+                    left = lib.hv_index_claim(blocks.ctypes.data, blocks.shape[0], data.ctypes.data, SLOTS_PER_BLOCK,
+                                              self.num_slots, kt.ctypes.data, vt.ctypes.data, kt.shape[0],
+                                              ct.ctypes.data, rt.ctypes.data, nt.ctypes.data, dirty.ctypes.data)
+                    changed = np.flatnonzero(dirty)
+                    if changed.size:
+                        diskio.write(self._fd, self.path, self._off["index"], BLOCK_BYTES, blocks[changed],
+                                       data[changed], self.io_threads, True, self.io_stats)
+                        self.bytes_written += int(np.count_nonzero(nt < 0)) * INDEX_DTYPE.itemsize
+                if left < 0:
+                    raise AssertionError(f"shard {self.path}: the index has no free slot for a key")  # load is bounded
+                res[todo], cur[todo], need[todo] = rt, ct, nt
+                todo = todo[nt >= 0]
+            result[idx] = res
+        return result
+
     # --- rows --------------------------------------------------------------------------
 
+    def _io_read(self, dataset: str, item_bytes: int, pos: np.ndarray, out: np.ndarray) -> None:
+        diskio.read(self._fd, self.path, self._off[dataset], item_bytes, pos, out, self.io_threads, self.io_stats)
+
+    def _io_write(self, dataset: str, item_bytes: int, pos: np.ndarray, data: np.ndarray) -> int:
+        diskio.write(self._fd, self.path, self._off[dataset], item_bytes, pos, data, self.io_threads, True,
+                       self.io_stats)
+        return pos.shape[0] * item_bytes
+
     def read_rows(self, pos: np.ndarray) -> np.ndarray:
-        """Rows at positions ``pos`` (any order), read through the memmap in sorted order."""
+        """Rows at positions ``pos`` (any order), read in sorted order (pread: by the pool)."""
         pos = np.asarray(pos, dtype=np.int64)
         order = np.argsort(pos, kind="stable")
         out = np.empty((pos.shape[0], self.layout.width), dtype=np.float32)
-        out[order] = self._rows[pos[order]]
+        if self.io == "pread":
+            sp = pos[order]
+            if strictly_increasing(sp):
+                rows = np.empty_like(out)
+                self._io_read("rows", self.layout.row_bytes, sp, rows)
+                out[order] = rows
+            else:  # a position asked twice: read it once
+                uniq, inv = np.unique(sp, return_inverse=True)
+                rows = np.empty((uniq.shape[0], self.layout.width), dtype=np.float32)
+                self._io_read("rows", self.layout.row_bytes, uniq, rows)
+                out[order] = rows[inv]
+        else:
+            out[order] = self._rows[pos[order]]
         self.bytes_read += out.nbytes
         return out
 
@@ -372,7 +484,10 @@ class Shard:
             rows = np.ascontiguousarray(np.asarray(rows, dtype=np.float32)[order])
             keys = np.asarray(keys, dtype=np.uint64)[order]
             last_seen, generation = _pick(last_seen, order), _pick(generation, order)
-        self.bytes_written += pwrite_runs(self._fd, self._off["rows"], self.layout.row_bytes, sp, rows, self._rows)
+        if self.io == "pread":
+            self.bytes_written += self._io_write("rows", self.layout.row_bytes, sp, rows)
+        else:
+            self.bytes_written += pwrite_runs(self._fd, self._off["rows"], self.layout.row_bytes, sp, rows, self._rows)
         self._write_meta(sp, keys, last_seen, generation)
 
     def _write_meta(self, pos: np.ndarray, keys: np.ndarray, last_seen: np.ndarray | int | None = None,
@@ -383,15 +498,29 @@ class Shard:
         meta["key"] = keys
         meta["last_seen"] = self.pass_index if last_seen is None else last_seen
         meta["generation"] = self.generation if generation is None else generation
-        self.bytes_written += pwrite_runs(self._fd, self._off["row_meta"], META_DTYPE.itemsize, pos, meta, self._meta)
+        if self.io == "pread":
+            self.bytes_written += self._io_write("row_meta", META_DTYPE.itemsize, pos, meta)
+        else:
+            self.bytes_written += pwrite_runs(self._fd, self._off["row_meta"], META_DTYPE.itemsize, pos, meta,
+                                              self._meta)
 
     def read_meta(self, start: int, stop: int) -> np.ndarray:
         """row_meta of rows [start, stop) (a copy)."""
-        return np.array(self._meta[start:min(stop, self.n_rows)])
+        stop = min(stop, self.n_rows)
+        if self.io == "mmap":
+            return np.array(self._meta[start:stop])
+        out = np.empty(max(stop - start, 0), dtype=META_DTYPE)
+        self._io_read("row_meta", META_DTYPE.itemsize, np.arange(start, stop, dtype=np.int64), out)
+        return out
 
     def read_range(self, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) as one sequential read (a copy)."""
-        out = np.array(self._rows[start:min(stop, self.n_rows)])
+        stop = min(stop, self.n_rows)
+        if self.io == "mmap":
+            out = np.array(self._rows[start:stop])
+        else:
+            out = np.empty((max(stop - start, 0), self.layout.width), dtype=np.float32)
+            self._io_read("rows", self.layout.row_bytes, np.arange(start, stop, dtype=np.int64), out)
         self.bytes_read += out.nbytes
         return out
 

@@ -124,9 +124,10 @@ class EmbeddingStore:
             owner = default_bucket_owner(world_size) if bucket_owner is None else bucket_owner
             self.shard = Shard.create(self.path, dim=cfg.dim, capacity=cfg.rows_per_rank,
                                       world_size=world_size, rank=rank, bucket_owner=owner, seed=cfg.seed,
-                                      init_scale=cfg.init_scale, max_load_factor=cfg.max_load_factor)
+                                      init_scale=cfg.init_scale, max_load_factor=cfg.max_load_factor,
+                                      **self._io())
         else:
-            self.shard = Shard.open(self.path)
+            self.shard = Shard.open(self.path, **self._io())
             self._check_matches(rank, world_size)
         self.cache = RowCache(self.layout.width, cfg.cpu_cache_bytes, cfg.cache_policy, cfg.lfu_aging_lookups)
         self.admission = AdmissionSketch(cfg.admit_sketch_slots) if cfg.admit_after > 1 else None
@@ -138,6 +139,9 @@ class EmbeddingStore:
         self.shard_s = 0.0  # seconds inside shard calls (index probes, row reads and writes)
         self.total_s = 0.0  # seconds inside store methods
         self._thread_times = threading.local()  # the same, per calling thread (exchange timing)
+
+    def _io(self) -> dict:
+        return {"io": self.cfg.shard_io.value, "io_threads": self.cfg.io_threads}
 
     def _check_matches(self, rank: int, world_size: int) -> None:
         s = self.shard
@@ -368,7 +372,7 @@ class EmbeddingStore:
             old, tmp = self.shard, self.path + ".compact"
             new = Shard.create(tmp, dim=self.cfg.dim, capacity=old.capacity, world_size=old.world_size,
                                rank=old.rank, bucket_owner=old.bucket_owner, seed=self.cfg.seed,
-                               init_scale=old.init_scale, max_load_factor=self.cfg.max_load_factor)
+                               init_scale=old.init_scale, max_load_factor=self.cfg.max_load_factor, **self._io())
             new.pass_index, new.generation = old.pass_index, old.generation
             oldest = old.pass_index - self.cfg.ttl_passes
             dropped = 0
@@ -383,7 +387,7 @@ class EmbeddingStore:
             new.close()
             old.close()
             os.replace(tmp, self.path)
-            self.shard = Shard.open(self.path)
+            self.shard = Shard.open(self.path, **self._io())
             return dropped
 
     def count_rows(self, delta_only: bool = False, chunk_rows: int = 1 << 18) -> int:
@@ -469,6 +473,10 @@ class EmbeddingStore:
             "cache_rows": c.size, "cache_capacity_rows": c.capacity, "cache_bytes": c.nbytes,
             "shard_rows": s.n_rows, "shard_capacity_rows": s.capacity,
             "shard_bytes_read": s.bytes_read, "shard_bytes_written": s.bytes_written,
+            # the pread path's system calls and the bytes they moved (pages: more than the rows'
+            # bytes), and the index blocks its probes read
+            **{f"shard_io_{k}": v for k, v in s.io_stats.as_dict().items()},
+            "shard_index_blocks_read": s.index_blocks_read,
             "store_s": self.total_s, "shard_s": self.shard_s, "cache_s": self.total_s - self.shard_s,
             **self.counters,
         }

@@ -31,6 +31,7 @@ import math
 import os
 from pathlib import Path
 
+from hvctr import memcg
 from hvctr.config import Config, load_config
 from hvctr.config.resolve import size_batch
 from hvctr.distributed.world import check_collectively, world_rank, world_size
@@ -321,19 +322,15 @@ def available_memory(meminfo: str = "/proc/meminfo", cgroup: str | None = None) 
     except (OSError, ValueError, IndexError):
         pass
     if cgroup is None:
-        try:  # cgroup v2: "0::/path"
-            rel = next(ln.split(":", 2)[2].strip() for ln in open("/proc/self/cgroup") if ln.startswith("0::"))
-            cgroup = f"/sys/fs/cgroup{rel}"
-        except (OSError, StopIteration, IndexError):
-            cgroup = ""
-    try:
-        limit = open(os.path.join(cgroup, "memory.max")).read().strip() if cgroup else "max"
-        if limit != "max":
-            left = int(limit) - int(open(os.path.join(cgroup, "memory.current")).read())
-            if avail < 0 or left < avail:
-                avail, source = left, f"the cgroup limit {cgroup}/memory.max less its memory.current"
-    except (OSError, ValueError):
-        pass
+        found = memcg.group_dir()
+        group = memcg.read_group(*found) if found else None
+    else:
+        group = memcg.read_group(cgroup) if cgroup else None
+    left = group.available if group is not None else None
+    if left is not None and (avail < 0 or left < avail):
+        name = "memory.limit_in_bytes" if group.version == 1 else "memory.max"
+        avail, source = left, (f"the memory cgroup's limit {group.path}/{name} less what it holds that "
+                               f"cannot be reclaimed (page cache counts against it)")
     return avail, source
 
 

@@ -344,11 +344,13 @@ class Trainer:
         return out
 
     def save_checkpoint(self) -> None:
+        t0 = time.monotonic()
         with self.meter.phase("io"):
             path = self.ckpt.save(self.store, self._dense_state(), self.state,
                                   extra={"mode": self.cfg.merge.mode.value, "train_dir": self._train_dir(),
                                          "init_from": self.lineage})
-        log.info(f"checkpoint {path.name} written at step {self.state.step}")
+        kind = (self.ckpt.last_manifest() or {}).get("kind", "?")
+        log.info(f"checkpoint {path.name} ({kind}) written at step {self.state.step} in {time.monotonic() - t0:.1f} s")
 
     def _train_dir(self) -> str:
         return str(Path(self.cfg.data.train_dir).resolve())
@@ -391,6 +393,7 @@ class Trainer:
         """Model, optimiser state, admission counts and TTL clock from a checkpoint. "resume"
         also takes its place in the data; "init" starts a new pass (epoch 0, batch 0), and
         its first checkpoint is a base unless it shares the source's checkpoint directory."""
+        t0 = time.monotonic()
         with self.meter.phase("io"):
             dense = src.load(manifest, self.store)
         params = list(self.model.parameters())
@@ -418,7 +421,7 @@ class Trainer:
                 self.state.epoch, self.state.batch = self.state.epoch + 1, 0
             self.lineage = manifest.get("init_from")
             log.info(f"resumed from checkpoint {manifest['seq']} at step {self.state.step} "
-                     f"(epoch {self.state.epoch}, batch {self.state.batch})")
+                     f"(epoch {self.state.epoch}, batch {self.state.batch}) in {time.monotonic() - t0:.1f} s")
             return
         self.lineage = {"checkpoint": str(where.resolve()), "seq": manifest["seq"], "state": manifest["state"]}
         log.info(f"initialised from {where} (dense Adam step {int(dense['adam_step'][0])}, "

@@ -280,12 +280,22 @@ def test_a_cache_larger_than_available_memory_is_named(datasets, tmp_path):
                                          r"rank\(s\) on this node = 5.59 GiB, but only 4.00 GiB are available "
                                          r"\(MemAvailable in .*meminfo\); set it to at most about 1,610,612,736"):
         check_memory(cfg, env={"OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, meminfo=str(meminfo), cgroup="")
-    cg = tmp_path / "cg"
+    cg = tmp_path / "cg"  # cgroup v2: 3 GiB, 1 GiB charged of which 0.5 GiB clean page cache
     cg.mkdir()
     (cg / "memory.max").write_text(str(3 << 30))
     (cg / "memory.current").write_text(str(1 << 30))
-    with pytest.raises(ValueError, match=r"only 2.00 GiB are available \(the cgroup limit .*memory.current\)"):
+    (cg / "memory.stat").write_text(f"anon {1 << 29}\nfile {1 << 29}\nfile_dirty 0\n")
+    with pytest.raises(ValueError, match=r"only 2.50 GiB are available \(the memory cgroup's limit .*cg/memory.max "
+                                         r"less what it holds that cannot be reclaimed"):
         check_memory(cfg, env={}, meminfo=str(meminfo), cgroup=str(cg))
+    v1 = tmp_path / "v1"  # cgroup v1 (Slurm's ConstrainRAMSpace on older nodes): page cache counts too
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text(str(2 << 30))
+    (v1 / "memory.usage_in_bytes").write_text(str(1 << 30))
+    (v1 / "memory.stat").write_text(f"cache {1 << 29}\nrss {1 << 29}\ndirty {1 << 28}\n"
+                                    f"total_cache {1 << 29}\ntotal_rss {1 << 29}\ntotal_dirty {1 << 28}\n")
+    with pytest.raises(ValueError, match=r"only 1.25 GiB are available \(the memory cgroup's limit .*v1/memory.limit_in_bytes"):
+        check_memory(cfg, env={}, meminfo=str(meminfo), cgroup=str(v1))
 
 
 def test_hvctr_train_with_a_cache_beyond_the_machine_stops_before_horovod(datasets, tmp_path):

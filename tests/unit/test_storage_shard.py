@@ -1,4 +1,7 @@
-"""The HDF5 shard: round trips, reopening from a new process, h5py-only reading, full shard."""
+"""The HDF5 shard: round trips, reopening from a new process, h5py-only reading, full shard.
+
+Every test runs on both of the shard's I/O paths: pread (the C kernels' pool, the default) and
+mmap (the reference)."""
 
 import contextlib
 import os
@@ -17,10 +20,24 @@ from hvctr.storage.shard import BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullEr
 from tests.conftest import VENV_PY
 
 
+IO = {"path": "pread"}
+
+
+@pytest.fixture(autouse=True, params=["pread", "mmap"])
+def io_path(request):
+    IO["path"] = request.param
+    yield request.param
+    IO["path"] = "pread"
+
+
 def _create(path, capacity=1000, dim=4, load=0.8, world_size=2, rank=1):
     return Shard.create(path, dim=dim, capacity=capacity, world_size=world_size, rank=rank,
                         bucket_owner=default_bucket_owner(world_size), seed=11, init_scale=0.01,
-                        max_load_factor=load)
+                        max_load_factor=load, io=IO["path"])
+
+
+def _open(path, writable=True):
+    return Shard.open(path, writable=writable, io=IO["path"])
 
 
 def _keys(n, seed=0):
@@ -55,7 +72,7 @@ def test_index_entries_reach_the_file_by_map_or_by_pwrite(tmp_path, monkeypatch,
         monkeypatch.setattr(shard_mod, "_COPY_ON_WRITE_FS", frozenset({fs}))
     path = tmp_path / "s.h5"
     shard = _create(path, capacity=3000)
-    assert shard.index_by_map is (not copy_on_write)
+    assert shard.index_by_map is (IO["path"] == "mmap" and not copy_on_write)
     keys = _keys(2500, seed=3)
     pos = np.concatenate([shard.insert(part) for part in np.array_split(keys, 5)])
     shard.close()
@@ -65,14 +82,18 @@ def test_index_entries_reach_the_file_by_map_or_by_pwrite(tmp_path, monkeypatch,
     order = np.argsort(used["key"])
     np.testing.assert_array_equal(used["key"][order], keys)  # keys from np.unique: sorted
     np.testing.assert_array_equal(used["row"][order], pos)
-    assert Shard.open(path, writable=False).lookup(keys).tolist() == pos.tolist()
+    assert _open(path, writable=False).lookup(keys).tolist() == pos.tolist()
 
 
 @pytest.mark.parametrize("inserts,lookups", [("native", "native"), ("numpy", "numpy"), ("numpy", "native"),
                                               ("native", "numpy"), ("mixed", "native")])
-def test_probing_crosses_index_blocks_at_high_load(tmp_path, inserts, lookups):
+def test_probing_crosses_index_blocks_at_high_load(tmp_path, inserts, lookups, io_path):
     # 95% load in one small index: long probe runs wrap across 4 KiB blocks and the table end.
-    # The C probe (hv_probe_find, hv_probe_claim) and numpy's read each other's indexes.
+    # The C probe (hv_probe_find, hv_probe_claim) and numpy's read each other's indexes (the
+    # mmap path's probes; the pread path's have a test of their own below).
+    if io_path == "pread":
+        pytest.skip("the mmap path's probes")
+
     def probing(path, i=0):
         numpy = path == "numpy" or (path == "mixed" and i % 2)
         return native.disabled() if numpy else contextlib.nullcontext()
@@ -175,17 +196,51 @@ def test_slot_hash_is_independent_of_the_owner_hash(tmp_path):
     shard.close()
 
 
+@pytest.mark.parametrize("writer_io,reader_io", [("pread", "mmap"), ("mmap", "pread"), ("pread", "pread")])
+def test_block_probes_cross_blocks_and_the_table_end_and_agree_with_the_map(tmp_path, writer_io, reader_io, io_path):
+    # The pread path probes the index over the blocks a batch needs (hv_index_find, hv_index_claim):
+    # at 99% load its walks cross block ends and wrap at the table's end, in later rounds; an
+    # index it wrote reads the same through the map, and the other way round.
+    if io_path == "mmap":
+        pytest.skip("parametrized over both paths already")
+    path = tmp_path / "s.h5"
+    shard = Shard.create(path, dim=4, capacity=5 * SLOTS_PER_BLOCK - 12, world_size=2, rank=1,
+                         bucket_owner=default_bucket_owner(2), seed=11, init_scale=0.01, max_load_factor=0.995,
+                         io=writer_io)
+    keys = _keys(5 * SLOTS_PER_BLOCK - 12, seed=8)
+    pos = np.concatenate([shard.insert(part) for part in np.array_split(keys, 7)])
+    blocks_read = shard.index_blocks_read
+    shard.close()
+    reader = Shard.open(path, writable=False, io=reader_io)
+    np.testing.assert_array_equal(reader.lookup(keys), pos)
+    absent = _keys(500, seed=6)
+    assert (reader.lookup(absent[~np.isin(absent, keys)]) == -1).all()
+    with h5py.File(path, "r") as f:
+        index = f["index"][...]
+    used = index[index["key"] != EMPTY_KEY]
+    assert used.shape[0] == keys.size
+    slot = np.flatnonzero(index["key"] != EMPTY_KEY)
+    home = (mix64(index["key"][slot] ^ np.uint64(reader.slot_seed)) % np.uint64(reader.num_slots)).astype(np.int64)
+    assert (slot < home).any(), "some probe run wrapped at the table's end"
+    assert ((slot // SLOTS_PER_BLOCK) != (home // SLOTS_PER_BLOCK)).any(), "some probe run crossed a block end"
+    if writer_io == "pread":
+        assert blocks_read > 0
+    reader.close()
+
+
 def test_an_open_writer_marks_the_file_unclean(tmp_path):
     path = tmp_path / "s.h5"
     writer = _create(path)
     writer.insert(_keys(5))
     writer.save_state()
-    reader = Shard.open(path, writable=False)  # what a crash of the writer leaves behind
+    reader = _open(path, writable=False)  # what a crash of the writer leaves behind
     assert not reader.was_clean and reader.n_rows == 5
     reader.close()
     writer.close()
-    reader = Shard.open(path, writable=False)
-    assert reader.was_clean and np.count_nonzero(reader._index_keys != EMPTY_KEY) == 5
+    reader = _open(path, writable=False)
+    assert reader.was_clean
+    with h5py.File(path, "r") as f:
+        assert np.count_nonzero(f["index"]["key"] != EMPTY_KEY) == 5
     reader.close()
 
 

@@ -1,0 +1,398 @@
+"""A table many times the memory the job may use: the same job inside a memory cgroup and without one.
+
+    python -m bench.scale                                  # >= 16 GB of table, a limit 1/10 of it
+    python -m bench.scale --rows 1000000 --limit-gib 1     # a quick look (says what it does not meet)
+    python -m bench.scale --write BENCHMARKS.md
+
+What it does, on one machine, as root:
+
+1. checks that it can: root, a memory cgroup controller (v1 at /sys/fs/cgroup/memory, or v2), and
+   the free disk the run needs (data, two runs' shards one after the other, a checkpoint, an
+   export): it says what is missing and exits non-zero;
+2. measures the device's random-read rate on the file system the shards live on: fio (4 KiB
+   random reads, O_DIRECT, depth 1 and 32, libaio) where fio is installed, else hvctr's own pread
+   pool on a file of its own with the page cache dropped;
+3. makes the data with the real tools: ``data_prep synth --unique-fields U`` (U keys a row that
+   no other row has: the table's size knob) and ``data_prep criteo``;
+4. trains 2 ranks for 2 passes (``mpirun -np 2 ... hvctr train``) without a limit, then the same
+   job with every process of it inside a memory cgroup it creates, whose limit counts page
+   cache (as Slurm's ConstrainRAMSpace does); each run writes a checkpoint base after the first
+   pass and a delta at the end, is resumed (timed to its first window) and exported;
+5. reports samples/s of both runs and their ratio, the cache hit rate, cold rows read per second
+   and the shard's read system calls per second against the device's rate, the peak of the
+   cgroup's memory against its limit, the limit's hits and OOM kills, the shard bytes, and the
+   times of the checkpoint base and delta, the resume and the export.
+
+The figures are ratios measured in one run on one machine (a shared, noisy machine: absolute
+times move; ratios less). Both runs start with the shard files' pages dropped from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SECTION = "## A table larger than memory"
+V1 = Path("/sys/fs/cgroup/memory")
+V2 = Path("/sys/fs/cgroup")
+BYTES_PER_KEY = 260  # shard bytes a stored key costs at D = 16: row 208, row_meta 16, index 16 / 0.8, headroom
+
+
+class CannotRun(SystemExit):
+    def __init__(self, why: str) -> None:
+        super().__init__(f"bench.scale: cannot run: {why}")
+
+
+# --- preconditions ---------------------------------------------------------------------------
+
+
+def cgroup_kind() -> str:
+    """"v1" or "v2", the memory controller this machine can make a group with."""
+    if os.geteuid() != 0:
+        raise CannotRun("it creates a memory cgroup, which needs root (run it as root, or on a machine "
+                        "where you have it)")
+    if (V1 / "memory.limit_in_bytes").is_file():
+        return "v1"
+    ctl = V2 / "cgroup.controllers"
+    if ctl.is_file() and "memory" in ctl.read_text().split():
+        return "v2"
+    raise CannotRun(f"no memory cgroup controller: neither {V1}/memory.limit_in_bytes (v1) nor 'memory' in "
+                    f"{ctl} (v2)")
+
+
+def check_disk(work: Path, need: int) -> None:
+    free = shutil.disk_usage(work).free
+    if free < need:
+        raise CannotRun(f"{work} has {free / 1e9:,.1f} GB free, the run needs about {need / 1e9:,.1f} GB "
+                        f"(data, one run's shards at a time, a checkpoint, an export): point --work at a larger "
+                        f"disk or lower --table-gb")
+
+
+class Cgroup:
+    """A memory cgroup of this benchmark's own; ``wrap(cmd)`` runs cmd inside it."""
+
+    def __init__(self, kind: str, limit: int) -> None:
+        self.kind = kind
+        name = f"hvctr-bench-scale-{os.getpid()}"
+        self.path = (V1 if kind == "v1" else V2) / name
+        self.path.mkdir()
+        if kind == "v1":
+            (self.path / "memory.limit_in_bytes").write_text(str(limit))
+            try:
+                (self.path / "memory.swappiness").write_text("0")
+            except OSError:
+                pass
+        else:
+            (self.path / "memory.max").write_text(str(limit))
+            (self.path / "memory.swap.max").write_text("0") if (self.path / "memory.swap.max").exists() else None
+        self.limit = limit
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        procs = self.path / "cgroup.procs"
+        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *cmd]
+
+    def read(self) -> dict:
+        p = self.path
+        if self.kind == "v1":
+            oom = dict(line.split() for line in (p / "memory.oom_control").read_text().splitlines())
+            return {"peak": int((p / "memory.max_usage_in_bytes").read_text()),
+                    "limit_hits": int((p / "memory.failcnt").read_text()), "oom_kills": int(oom.get("oom_kill", 0))}
+        ev = dict(line.split() for line in (p / "memory.events").read_text().splitlines())
+        peak = int((p / "memory.peak").read_text()) if (p / "memory.peak").exists() else -1
+        return {"peak": peak, "limit_hits": int(ev.get("max", 0)), "oom_kills": int(ev.get("oom_kill", 0))}
+
+    def reset_peak(self) -> None:
+        if self.kind == "v1":
+            (self.path / "memory.max_usage_in_bytes").write_text("0")
+            (self.path / "memory.failcnt").write_text("0")
+
+    def close(self) -> None:
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.2)
+
+
+# --- the device ------------------------------------------------------------------------------
+
+
+def device_rate(work: Path, seconds: int) -> dict:
+    """4 KiB random reads per second at depth 1 and 32 on ``work``'s file system."""
+    path = work / "device-probe.bin"
+    size = 4 << 30
+    with open(path, "wb") as f:
+        block = np.random.default_rng(0).integers(0, 255, 1 << 24, dtype=np.uint8).tobytes()
+        for _ in range(size // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        if shutil.which("fio"):
+            out = {"tool": "fio (libaio, O_DIRECT, 4 KiB randread)"}
+            for depth in (1, 32):
+                r = subprocess.run(["fio", "--name=probe", f"--filename={path}", "--rw=randread", "--bs=4k",
+                                    "--direct=1", "--ioengine=libaio", f"--iodepth={depth}", f"--runtime={seconds}",
+                                    "--time_based", "--output-format=json", "--group_reporting"],
+                                   capture_output=True, text=True, check=True)
+                out[f"iops_depth{depth}"] = round(json.loads(r.stdout)["jobs"][0]["read"]["iops"])
+            return out
+        from hvctr.kernels import diskio
+        out = {"tool": "hvctr's pread pool (fio not installed), 4 KiB randread, page cache dropped"}
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            rng = np.random.default_rng(1)
+            for depth in (1, 32):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < seconds:
+                    pos = np.unique(rng.integers(0, size // 4096, 20000 if depth > 1 else 2000))
+                    buf = np.empty(pos.size * 4096, dtype=np.uint8)
+                    diskio.read(fd, str(path), 0, 4096, pos, buf, depth)
+                    n += pos.size
+                out[f"iops_depth{depth}"] = round(n / (time.perf_counter() - t0))
+        finally:
+            os.close(fd)
+        return out
+    finally:
+        path.unlink(missing_ok=True)
+
+
+# --- the job ---------------------------------------------------------------------------------
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_mpi_yield_when_idle="1", OMPI_MCA_btl_vader_single_copy_mechanism="none",
+               OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONPATH=str(REPO))
+    return env
+
+
+def _run(cmd: list[str], log: Path, cwd: Path) -> float:
+    t0 = time.monotonic()
+    with open(log, "ab") as f:
+        f.write(("$ " + " ".join(cmd) + "\n").encode())
+        f.flush()
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=_env())
+    if r.returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"bench.scale: {' '.join(cmd[:8])} ... failed (rc {r.returncode}); the end of {log}:\n{tail}")
+    return time.monotonic() - t0
+
+
+def make_data(work: Path, rows: int, unique_fields: int, log: Path) -> Path:
+    data = work / "data"
+    if (data / "manifest.json").is_file() and json.loads((data / "manifest.json").read_text()).get("state") == "complete":
+        return data
+    tsv = work / "raw.tsv"
+    py = sys.executable
+    _run([py, "-m", "data_prep", "synth", "--rows", str(rows), "--seed", "5", "--unique-fields", str(unique_fields),
+          "--out", str(tsv)], log, work)
+    _run(["mpirun", "-np", "2", "--bind-to", "none", py, "-m", "mpi4py", "-m", "data_prep", "criteo", "--input",
+          str(tsv), "--out", str(data), "--shards", "4", "--valid-fraction", "0.02"], log, work)
+    tsv.unlink()
+    return data
+
+
+def _drop_cache(paths: list[Path]) -> None:
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _train_cmd(data: Path, run: Path, cache_bytes: int, rows_per_rank: int, extra: list[str]) -> list[str]:
+    return ["mpirun", "-np", "2", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m", "hvctr", "train",
+            f"--data.train_dir={data}", f"--train.run_dir={run}", f"--storage.cpu_cache_bytes={cache_bytes}",
+            f"--storage.rows_per_rank={rows_per_rank}", "--storage.dim=16", "--model.hidden=[512,256]",
+            "--data.batch_size_per_rank=4096", "--merge.every_k_steps=8", "--metrics.eval_every_windows=0",
+            "--train.stall_timeout_s=900", *extra]
+
+
+def _checkpoint_times(log_text: str) -> list[tuple[str, float]]:
+    return [(kind, float(s)) for kind, s in re.findall(r"checkpoint ckpt-\d+ \((base|delta)\b[^)]*\) written at step \d+ in "
+                                                       r"([0-9.]+) s", log_text)]
+
+
+def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup | None, log: Path) -> dict:
+    run = work / f"run-{name}"
+    shutil.rmtree(run, ignore_errors=True)
+    wrap = cgroup.wrap if cgroup else (lambda c: c)
+    _drop_cache(list(data.glob("*.h5")))
+    if cgroup:
+        cgroup.reset_peak()
+    steps_per_pass = cfg["steps_per_pass"]
+    # pass 1, a checkpoint (the base) at its end; pass 2 to the end, a checkpoint (a delta) there
+    common = [f"--checkpoint.every_windows={steps_per_pass // 8}", "--checkpoint.compact_every=1000",
+              "--train.epochs=2"]
+    t = _run(wrap(_train_cmd(data, run, cfg["cache_bytes"], cfg["rows_per_rank"], common)), log, work)
+    summary = json.loads((run / "summary.json").read_text())
+    text = (run / "logs" / "rank-00000.log").read_text(errors="replace") if (run / "logs" / "rank-00000.log").exists() else ""
+    ckpt = _checkpoint_times(text)
+    shards = sorted(run.rglob("shard-r*.h5"))
+    shard_bytes = sum(p.stat().st_size for p in shards)
+    mem = cgroup.read() if cgroup else {}
+    # resume: one more window from the newest checkpoint (the working shards rebuilt from it)
+    _drop_cache(shards)
+    t_resume = _run(wrap(_train_cmd(data, run, cfg["cache_bytes"], cfg["rows_per_rank"],
+                                    [*common, "--resume", f"--train.max_steps={summary['steps'] + 8}"])), log, work)
+    resumed = _resume_seconds((run / "logs" / "rank-00000.log").read_text(errors="replace"))
+    mem_resume = cgroup.read() if cgroup else {}
+    t_export = _run(wrap([sys.executable, "-m", "hvctr", "export", "--run-dir", str(run), "--out", str(work / f"export-{name}")]),
+                    log, work)
+    export_bytes = sum(p.stat().st_size for p in (work / f"export-{name}").rglob("*") if p.is_file())
+    mem_all = cgroup.read() if cgroup else {}
+    store = summary["store"]
+    shard_s = max(summary["exchange"].get("warm_shard_s", 0) + summary["exchange"].get("pull_shard_s", 0)
+                  + summary["exchange"].get("push_shard_s", 0), 1e-9)
+    out = {
+        "name": name, "wall_s": round(t, 1), "samples": summary["samples"], "steps": summary["steps"],
+        "samples_per_s": summary["samples_per_s"], "cache_hit_rate": store["cache_hit_rate"],
+        "rows_read": store["shard_bytes_read"] // cfg["row_bytes"], "read_calls": store.get("shard_io_read_calls", 0),
+        "index_blocks_read": store.get("shard_index_blocks_read", 0), "shard_s": round(store["shard_s"], 2),
+        "exchange_shard_s": round(shard_s, 2), "shard_bytes": shard_bytes, "checkpoints": ckpt,
+        "resume_s": resumed, "resume_wall_s": round(t_resume, 1), "export_s": round(t_export, 1),
+        "export_bytes": export_bytes, "time_split_s": summary.get("time_split_s", {}),
+        "memory": mem, "memory_resume": mem_resume, "memory_all": mem_all,
+    }
+    shutil.rmtree(work / f"export-{name}", ignore_errors=True)
+    shutil.rmtree(run, ignore_errors=True)
+    return out
+
+
+def _resume_seconds(text: str) -> float | None:
+    m = re.findall(r"resumed from checkpoint \d+ at step \d+ [^\n]*?in ([0-9.]+) s", text)
+    return float(m[-1]) if m else None
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def report(res: dict) -> str:
+    a, b, dev = res["unlimited"], res["limited"], res["device"]
+    cfg = res["config"]
+
+    def gb(n: float) -> str:
+        return f"{n / 1e9:,.2f} GB"
+
+    def per_s(r: dict, key: str) -> float:
+        return r[key] / max(r["shard_s"], 1e-9)
+
+    best = dev["iops_depth32"]
+    lines = [
+        f"Data: {cfg['rows']:,} rows of `data_prep synth --unique-fields {cfg['unique_fields']}` ({res['keys']:,} "
+        f"distinct keys), 2 ranks, 2 passes, batch 4096 a rank, k = 8, DNN 26 x 16 -> 512-256-1, "
+        f"storage.cpu_cache_bytes = {cfg['cache_bytes']:,} a rank, storage.rows_per_rank = {cfg['rows_per_rank']:,}; "
+        f"shards {gb(b['shard_bytes'])} on disk; memory limit {cfg['limit'] / 2**30:,.2f} GiB "
+        f"({cfg['kind']}, page cache counted): the table is {b['shard_bytes'] / cfg['limit']:.1f}x the limit.",
+        f"Device ({dev['tool']}): {dev['iops_depth1']:,} reads/s at depth 1, {best:,} at depth 32.",
+        "",
+        "| | no limit | in the cgroup | limited / unlimited |",
+        "|---|---|---|---|",
+        f"| samples/s (whole run) | {a['samples_per_s']:,.0f} | {b['samples_per_s']:,.0f} | "
+        f"**{b['samples_per_s'] / a['samples_per_s']:.2f}x** |",
+        f"| cache hit rate | {a['cache_hit_rate']:.3f} | {b['cache_hit_rate']:.3f} | |",
+        f"| rows read from the shard (rank 0) | {a['rows_read']:,} | {b['rows_read']:,} | |",
+        f"| shard read calls/s inside shard time (rank 0) | {per_s(a, 'read_calls'):,.0f} | {per_s(b, 'read_calls'):,.0f} | "
+        f"device best {best:,}: **{per_s(b, 'read_calls') / best:.2f}x** |",
+        f"| cold rows + index blocks read /s inside shard time (rank 0) | "
+        f"{(a['rows_read'] + a['index_blocks_read']) / max(a['shard_s'], 1e-9):,.0f} | "
+        f"{(b['rows_read'] + b['index_blocks_read']) / max(b['shard_s'], 1e-9):,.0f} | |",
+        f"| peak memory of the cgroup (training / with resume and export) | | {b['memory'].get('peak', 0) / 2**30:,.2f} / "
+        f"{b['memory_all'].get('peak', 0) / 2**30:,.2f} GiB | limit {cfg['limit'] / 2**30:,.2f} GiB |",
+        f"| limit reached / OOM kills | | {b['memory_all'].get('limit_hits', 0):,} / {b['memory_all'].get('oom_kills', 0)} | |",
+    ]
+    for kind in ("base", "delta"):
+        ta = [s for k, s in a["checkpoints"] if k == kind]
+        tb = [s for k, s in b["checkpoints"] if k == kind]
+        if ta and tb:
+            lines.append(f"| checkpoint {kind} (the last) | {ta[-1]:.1f} s | {tb[-1]:.1f} s | {tb[-1] / max(ta[-1], 1e-9):.2f}x |")
+    lines += [
+        f"| resume (start to the first window) | {a['resume_s'] or a['resume_wall_s']} s | {b['resume_s'] or b['resume_wall_s']} s | |",
+        f"| export | {a['export_s']} s | {b['export_s']} s | |",
+        "",
+        f"Targets: limited >= 0.7x unlimited; shard reads >= 0.8x the device's best random-read rate; peak "
+        f"within the limit. Met: {b['samples_per_s'] / a['samples_per_s'] >= 0.7}, "
+        f"{per_s(b, 'read_calls') / best >= 0.8}, {b['memory_all'].get('peak', 0) <= cfg['limit']}.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.splitlines()[0])
+    p.add_argument("--table-gb", type=float, default=16.0, help="shard bytes on disk to reach (default 16)")
+    p.add_argument("--limit-gib", type=float, default=0.0,
+                   help="the cgroup's memory limit (default: a tenth of the table, at least 1.5 GiB)")
+    p.add_argument("--unique-fields", type=int, default=8, help="keys a row that no other row has (default 8)")
+    p.add_argument("--rows", type=int, default=0, help="rows of data (default: enough keys for --table-gb)")
+    p.add_argument("--cache-mib", type=int, default=128, help="storage.cpu_cache_bytes a rank, MiB (default 128)")
+    p.add_argument("--work", default="", help="work directory (default: a new one under /var/tmp)")
+    p.add_argument("--fio-seconds", type=int, default=15)
+    p.add_argument("--out", default="", help="also write the results as JSON here")
+    p.add_argument("--write", default="", help="put the report into this Markdown file (BENCHMARKS.md)")
+    args = p.parse_args(argv)
+    kind = cgroup_kind()
+    rows = args.rows or int(args.table_gb * 1e9 / BYTES_PER_KEY / args.unique_fields)
+    keys_est = rows * args.unique_fields
+    rows_per_rank = int(keys_est / 2 * 1.15) + 1_000_000
+    from hvctr.formats import RowLayout
+    row_bytes = RowLayout(16).row_bytes
+    from hvctr.plan.model import shard_bytes
+    table = 2 * shard_bytes(rows_per_rank, 16, 0.8)["total"]
+    limit = int(args.limit_gib * 2**30) if args.limit_gib else max(int(table / 10), int(1.5 * 2**30))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hvctr-scale-", dir="/var/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    need = rows * 600 + table + keys_est * (row_bytes + 16) * 1.2 + keys_est * 80
+    check_disk(work, int(need))
+    log = work / "bench-scale.log"
+    print(f"bench.scale: {rows:,} rows x {args.unique_fields} unique fields, table {table / 1e9:,.1f} GB, limit "
+          f"{limit / 2**30:,.2f} GiB ({table / limit:.1f}x), work {work}; log {log}", flush=True)
+    dev = device_rate(work, args.fio_seconds)
+    print(f"bench.scale: device {dev}", flush=True)
+    data = make_data(work, rows, args.unique_fields, log)
+    manifest = json.loads((data / "manifest.json").read_text())
+    train_rows = sum(s["rows"] for s in manifest["shards"]["train"])
+    cfg = {"rows": rows, "unique_fields": args.unique_fields, "cache_bytes": args.cache_mib << 20,
+           "rows_per_rank": rows_per_rank, "limit": limit, "kind": kind, "row_bytes": row_bytes,
+           "steps_per_pass": train_rows // 2 // 4096}
+    res = {"config": cfg, "device": dev, "keys": int(manifest["totals"].get("distinct_keys_estimate_total", keys_est))}
+    res["unlimited"] = one_run("unlimited", data, work, cfg, None, log)
+    print(f"bench.scale: unlimited {res['unlimited']['samples_per_s']:,.0f} samples/s", flush=True)
+    group = Cgroup(kind, limit)
+    try:
+        res["limited"] = one_run("limited", data, work, cfg, group, log)
+    finally:
+        group.close()
+    print(f"bench.scale: limited {res['limited']['samples_per_s']:,.0f} samples/s", flush=True)
+    text = report(res)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    if args.write:
+        from bench.report import write_section
+        cmd = "python -m bench.scale " + " ".join(argv if argv is not None else sys.argv[1:])
+        write_section(args.write, SECTION, f"{SECTION}\n\n`{cmd}`\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Reads and writes of a file (the SSD shard, checkpoint files) at the device's queue depth (the C kernels' I/O pool).
+
+A table larger than memory is read row by row from the SSD: a window's cold rows and the index
+blocks that find them are thousands of random 4 KiB reads. Through a memmap each is a page fault,
+one at a time, and each drags in the file's readahead (8 MiB on some disks: a batch of row reads
+then fills a memory cgroup with pages nobody asked for). Here a batch of items goes out at once:
+
+- ``read(fd, base, item_bytes, pos, out)``: item i of ``out`` is read from ``base + pos[i] *
+  item_bytes``; items in the same or adjacent 4 KiB pages share one pread of their page-aligned
+  span; a pool of ``threads`` threads keeps that many reads in flight.
+- ``write(..., data)``: whole pages, read-modify-write by the pool (the kernel never reads a
+  partly written page inside a write, where buffered writes to one file serialise); with
+  ``behind``, the written span is then flushed to the device and dropped from the page cache,
+  so write-back leaves no dirty pages to a memory cgroup (v1 does not throttle a group's dirty
+  pages; reclaim would wait for their write-back: the job stalls).
+- ``write_behind(fd, offset, length)``: the same flush-and-drop for a sequential write (the
+  checkpoint's rank files).
+
+Positions are sorted and unique (callers sort). Every failure is an OSError naming the file.
+Where the C kernels are not loaded (HVCTR_NATIVE=0), ``available()`` is False and the shard keeps
+its reference path (the memmap).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+
+from hvctr.kernels import native
+
+DEFAULT_THREADS = 32  # the depth where this machine type's disk and a datacenter NVMe's share of it saturate
+_WRITE_BEHIND = 1
+
+
+def available() -> bool:
+    """Whether the I/O pool is there (the C kernels are loaded)."""
+    return native.lib() is not None
+
+
+def _check(rc: int, what: str, path: str) -> None:
+    if rc < 0:
+        code = -int(rc)
+        raise OSError(code, f"{what}: {os.strerror(code)}", path)
+
+
+class IOStats:
+    """What a shard's pool did: system calls, bytes moved, items (for the run's metrics)."""
+
+    __slots__ = ("read_calls", "read_bytes", "read_items", "write_calls", "write_bytes", "write_items")
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def read(fd: int, path: str, base: int, item_bytes: int, pos: np.ndarray, out: np.ndarray, threads: int,
+         stats: IOStats | None = None) -> None:
+    """Fills ``out`` (C-contiguous, ``len(pos) * item_bytes`` bytes) with the items at ``pos``."""
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    if pos.shape[0] == 0:
+        return
+    if not out.flags.c_contiguous or out.nbytes != pos.shape[0] * item_bytes:
+        raise ValueError(f"read: a buffer of {out.nbytes} bytes for {pos.shape[0]} items of {item_bytes}")
+    st = np.zeros(3, dtype=np.int64)
+    rc = native.lib().hv_io_read(fd, base, item_bytes, pos.ctypes.data, pos.shape[0], out.ctypes.data, threads, 0,
+                                 st.ctypes.data)
+    if rc == -errno.EIO:
+        raise OSError(errno.EIO, f"a read past the end of the file (position {int(pos[-1])} of items of "
+                                 f"{item_bytes} bytes from offset {base}): the file is truncated", path)
+    _check(rc, f"reading {pos.shape[0]} items of {item_bytes} bytes", path)
+    if stats is not None:
+        stats.read_calls += int(st[2])
+        stats.read_bytes += int(st[1])
+        stats.read_items += pos.shape[0]
+
+
+def write(fd: int, path: str, base: int, item_bytes: int, pos: np.ndarray, data: np.ndarray, threads: int,
+          behind: bool, stats: IOStats | None = None) -> None:
+    """Writes item i of ``data`` at ``base + pos[i] * item_bytes``; ``behind``: flush and drop after."""
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    if pos.shape[0] == 0:
+        return
+    data = np.ascontiguousarray(data)
+    if data.nbytes != pos.shape[0] * item_bytes:
+        raise ValueError(f"write: {data.nbytes} bytes for {pos.shape[0]} items of {item_bytes}")
+    st = np.zeros(3, dtype=np.int64)
+    rc = native.lib().hv_io_write(fd, base, item_bytes, pos.ctypes.data, pos.shape[0], data.ctypes.data, threads,
+                                  _WRITE_BEHIND if behind else 0, st.ctypes.data)
+    _check(rc, f"writing {pos.shape[0]} items of {item_bytes} bytes", path)
+    if stats is not None:
+        stats.write_calls += int(st[2])
+        stats.write_bytes += int(st[1])
+        stats.write_items += pos.shape[0]
+
+
+def write_behind(fd: int, path: str, offset: int, length: int) -> None:
+    """Flushes ``[offset, offset + length)`` to the device and drops it from the page cache."""
+    lib = native.lib()
+    if lib is None or length <= 0:
+        return
+    _check(lib.hv_io_write_behind(fd, offset, length), f"flushing {length} bytes at offset {offset}", path)

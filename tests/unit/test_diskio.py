@@ -1,0 +1,80 @@
+"""hvctr.kernels.diskio, the shard's I/O pool, against numpy's view of the same file: reads of
+sorted positions (coalesced or not, runs past the 256 KiB cap), writes of scattered and of
+contiguous items (read-modify-write of the pages they share, the head and tail page of a run),
+at the file's end, write-behind; and its errors."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from hvctr.kernels import diskio, native
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason="the I/O pool is part of the C kernels")
+
+
+@pytest.fixture
+def f(tmp_path):
+    path = tmp_path / "f.bin"
+    data = np.random.default_rng(0).integers(0, 255, 3 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDWR)
+    yield fd, str(path), data
+    os.close(fd)
+
+
+@pytest.mark.parametrize("item", [16, 208, 4096, 5000])
+@pytest.mark.parametrize("threads", [1, 7, 32])
+def test_reads_are_the_files_bytes(f, item, threads):
+    fd, path, data = f
+    base = 123
+    n_items = (data.size - base) // item
+    rng = np.random.default_rng(item + threads)
+    for pos in (np.unique(rng.integers(0, n_items, 500)), np.arange(0, min(n_items, 2000)),
+                np.array([0, 1, 2, n_items - 1])):
+        out = np.empty(pos.size * item, dtype=np.uint8)
+        stats = diskio.IOStats()
+        diskio.read(fd, path, base, item, pos, out, threads, stats)
+        want = np.concatenate([data[base + p * item: base + (p + 1) * item] for p in pos])
+        np.testing.assert_array_equal(out, want)
+        assert stats.read_items == pos.size and 0 < stats.read_calls <= pos.size
+
+
+@pytest.mark.parametrize("item", [16, 208, 4096])
+@pytest.mark.parametrize("behind", [False, True])
+def test_writes_change_exactly_their_items(f, item, behind):
+    fd, path, data = f
+    base = 4096 + 40
+    n_items = (data.size - base) // item
+    rng = np.random.default_rng(item)
+    model = data.copy()
+    for pos in (np.unique(rng.integers(0, n_items, 700)),            # scattered: pages shared or not
+                np.arange(10, 10 + 3000 if item < 4096 else 300),   # contiguous: head and tail pages
+                np.arange(n_items - 50, n_items)):                  # up to the file's last item
+        items = rng.integers(0, 255, (pos.size, item), dtype=np.uint8)
+        diskio.write(fd, path, base, item, pos, items, 9, behind)
+        for p, row in zip(pos, items):
+            model[base + p * item: base + (p + 1) * item] = row
+        assert os.fstat(fd).st_size == data.size  # never grows the file
+        got = np.frombuffer(open(path, "rb").read(), dtype=np.uint8)
+        np.testing.assert_array_equal(got, model)
+
+
+def test_an_item_past_the_end_is_an_error_naming_the_file(f):
+    fd, path, data = f
+    out = np.empty(208, dtype=np.uint8)
+    with pytest.raises(OSError, match=r"past the end of the file .*truncated") as e:
+        diskio.read(fd, path, 0, 208, np.array([data.size // 208 + 3]), out, 4)
+    assert e.value.errno == errno.EIO and e.value.filename == path
+
+
+def test_unsorted_positions_and_a_bad_descriptor_are_errors(f):
+    fd, path, _ = f
+    out = np.empty(2 * 16, dtype=np.uint8)
+    with pytest.raises(OSError) as e:
+        diskio.read(fd, path, 0, 16, np.array([5, 3]), out, 2)
+    assert e.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as e:
+        diskio.read(987654, path, 0, 16, np.array([1, 3]), out, 2)
+    assert e.value.errno == errno.EBADF and path in str(e.value)
