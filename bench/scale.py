@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,14 +81,22 @@ def check_disk(work: Path, need: int) -> None:
 
 
 class Cgroup:
-    """A memory cgroup of this benchmark's own; ``wrap(cmd)`` runs cmd inside it."""
+    """A memory cgroup of this benchmark's own; ``wrap(cmd)`` runs cmd inside it. ``limit`` 0:
+    no limit (the unlimited run runs in one too, so that its processes' own memory is measured).
+    A sampler thread records the peak of the processes' own memory (anon) every 0.2 s."""
 
-    def __init__(self, kind: str, limit: int) -> None:
+    def __init__(self, kind: str, limit: int, tag: str) -> None:
         self.kind = kind
-        name = f"hvctr-bench-scale-{os.getpid()}"
+        name = f"hvctr-bench-scale-{os.getpid()}-{tag}"
         self.path = (V1 if kind == "v1" else V2) / name
         self.path.mkdir()
-        if kind == "v1":
+        self.anon_peak = 0
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        if not limit:
+            pass
+        elif kind == "v1":
             (self.path / "memory.limit_in_bytes").write_text(str(limit))
             try:
                 (self.path / "memory.swappiness").write_text("0")
@@ -106,18 +115,30 @@ class Cgroup:
         p = self.path
         if self.kind == "v1":
             oom = dict(line.split() for line in (p / "memory.oom_control").read_text().splitlines())
-            return {"peak": int((p / "memory.max_usage_in_bytes").read_text()),
+            return {"peak": int((p / "memory.max_usage_in_bytes").read_text()), "anon_peak": self.anon_peak,
                     "limit_hits": int((p / "memory.failcnt").read_text()), "oom_kills": int(oom.get("oom_kill", 0))}
         ev = dict(line.split() for line in (p / "memory.events").read_text().splitlines())
         peak = int((p / "memory.peak").read_text()) if (p / "memory.peak").exists() else -1
-        return {"peak": peak, "limit_hits": int(ev.get("max", 0)), "oom_kills": int(ev.get("oom_kill", 0))}
+        return {"peak": peak, "anon_peak": self.anon_peak, "limit_hits": int(ev.get("max", 0)),
+                "oom_kills": int(ev.get("oom_kill", 0))}
+
+    def _sample(self) -> None:
+        from hvctr import memcg
+
+        while not self._stop.wait(0.2):
+            try:
+                self.anon_peak = max(self.anon_peak, memcg.read_group(str(self.path)).anon)
+            except (OSError, ValueError):
+                pass
 
     def reset_peak(self) -> None:
+        self.anon_peak = 0
         if self.kind == "v1":
             (self.path / "memory.max_usage_in_bytes").write_text("0")
             (self.path / "memory.failcnt").write_text("0")
 
     def close(self) -> None:
+        self._stop.set()
         for _ in range(50):
             try:
                 self.path.rmdir()
@@ -233,13 +254,12 @@ def _checkpoint_times(log_text: str) -> list[tuple[str, float]]:
                                                        r"([0-9.]+) s", log_text)]
 
 
-def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup | None, log: Path) -> dict:
+def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: Path) -> dict:
     run = work / f"run-{name}"
     shutil.rmtree(run, ignore_errors=True)
-    wrap = cgroup.wrap if cgroup else (lambda c: c)
+    wrap = cgroup.wrap
     _drop_cache(list(data.glob("*.h5")))
-    if cgroup:
-        cgroup.reset_peak()
+    cgroup.reset_peak()
     steps_per_pass = cfg["steps_per_pass"]
     # pass 1, a checkpoint (the base) at its end; pass 2 to the end, a checkpoint (a delta) there
     common = [f"--checkpoint.every_windows={steps_per_pass // 8}", "--checkpoint.compact_every=1000",
@@ -250,17 +270,17 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup | None,
     ckpt = _checkpoint_times(text)
     shards = sorted(run.rglob("shard-r*.h5"))
     shard_bytes = sum(p.stat().st_size for p in shards)
-    mem = cgroup.read() if cgroup else {}
+    mem = cgroup.read()
     # resume: one more window from the newest checkpoint (the working shards rebuilt from it)
     _drop_cache(shards)
     t_resume = _run(wrap(_train_cmd(data, run, cfg["cache_bytes"], cfg["rows_per_rank"],
                                     [*common, "--resume", f"--train.max_steps={summary['steps'] + 8}"])), log, work)
     resumed = _resume_seconds((run / "logs" / "rank-00000.log").read_text(errors="replace"))
-    mem_resume = cgroup.read() if cgroup else {}
+    mem_resume = cgroup.read()
     t_export = _run(wrap([sys.executable, "-m", "hvctr", "export", "--run-dir", str(run), "--out", str(work / f"export-{name}")]),
                     log, work)
     export_bytes = sum(p.stat().st_size for p in (work / f"export-{name}").rglob("*") if p.is_file())
-    mem_all = cgroup.read() if cgroup else {}
+    mem_all = cgroup.read()
     store = summary["store"]
     shard_s = max(summary["exchange"].get("warm_shard_s", 0) + summary["exchange"].get("pull_shard_s", 0)
                   + summary["exchange"].get("push_shard_s", 0), 1e-9)
@@ -317,9 +337,14 @@ def report(res: dict) -> str:
         f"| cold rows + index blocks read /s inside shard time (rank 0) | "
         f"{(a['rows_read'] + a['index_blocks_read']) / max(a['shard_s'], 1e-9):,.0f} | "
         f"{(b['rows_read'] + b['index_blocks_read']) / max(b['shard_s'], 1e-9):,.0f} | |",
-        f"| peak memory of the cgroup (training / with resume and export) | | {b['memory'].get('peak', 0) / 2**30:,.2f} / "
-        f"{b['memory_all'].get('peak', 0) / 2**30:,.2f} GiB | limit {cfg['limit'] / 2**30:,.2f} GiB |",
-        f"| limit reached / OOM kills | | {b['memory_all'].get('limit_hits', 0):,} / {b['memory_all'].get('oom_kills', 0)} | |",
+        f"| peak memory of the cgroup, page cache counted (training / with resume and export) | "
+        f"{a['memory'].get('peak', 0) / 2**30:,.2f} / {a['memory_all'].get('peak', 0) / 2**30:,.2f} GiB | "
+        f"{b['memory'].get('peak', 0) / 2**30:,.2f} / {b['memory_all'].get('peak', 0) / 2**30:,.2f} GiB | "
+        f"limit {cfg['limit'] / 2**30:,.2f} GiB |",
+        f"| peak of the processes' own memory (anon, sampled every 0.2 s) | {a['memory_all'].get('anon_peak', 0) / 2**30:,.2f} GiB "
+        f"| {b['memory_all'].get('anon_peak', 0) / 2**30:,.2f} GiB | |",
+        f"| limit reached / OOM kills | - / {a['memory_all'].get('oom_kills', 0)} | "
+        f"{b['memory_all'].get('limit_hits', 0):,} / {b['memory_all'].get('oom_kills', 0)} | |",
     ]
     for kind in ("base", "delta"):
         ta = [s for k, s in a["checkpoints"] if k == kind]
@@ -375,9 +400,22 @@ def main(argv: list[str] | None = None) -> int:
            "rows_per_rank": rows_per_rank, "limit": limit, "kind": kind, "row_bytes": row_bytes,
            "steps_per_pass": train_rows // 2 // 4096}
     res = {"config": cfg, "device": dev, "keys": int(manifest["totals"].get("distinct_keys_estimate_total", keys_est))}
-    res["unlimited"] = one_run("unlimited", data, work, cfg, None, log)
-    print(f"bench.scale: unlimited {res['unlimited']['samples_per_s']:,.0f} samples/s", flush=True)
-    group = Cgroup(kind, limit)
+    free = Cgroup(kind, 0, "unlimited")
+    try:
+        res["unlimited"] = one_run("unlimited", data, work, cfg, free, log)
+    finally:
+        free.close()
+    anon = res["unlimited"]["memory_all"]["anon_peak"]
+    print(f"bench.scale: unlimited {res['unlimited']['samples_per_s']:,.0f} samples/s; the job's own memory "
+          f"peaked at {anon / 2**30:,.2f} GiB", flush=True)
+    if anon * 1.15 > limit:
+        print(f"bench.scale: the limit {limit / 2**30:,.2f} GiB does not hold the job's own memory "
+              f"({anon / 2**30:,.2f} GiB) with room for a working page cache: the limited run would be "
+              f"OOM-killed for its processes, not for the table; raising the limit to "
+              f"{anon * 1.3 / 2**30:,.2f} GiB (the table is then {table / (anon * 1.3):.1f}x it)", flush=True)
+        limit = int(anon * 1.3)
+        cfg["limit"] = limit
+    group = Cgroup(kind, limit, "limited")
     try:
         res["limited"] = one_run("limited", data, work, cfg, group, log)
     finally:

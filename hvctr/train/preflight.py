@@ -76,7 +76,7 @@ def preflight(config_path: str | None, overrides: list[str], resume: bool, init_
         cfg, sizing = check_inputs(cfg, rank, size, resume, init_from, eval_only, run_dir)
         identity, notes = (None, []) if eval_only else check_identity(cfg, directory, size, resume, init_from)
         notes += check_directories(cfg, rank, size, directory)  # after the identity: a refused resume creates nothing
-        check_memory(cfg)
+        notes += check_memory(cfg)
         if held and held[0].stale:
             notes.insert(0, held[0].stale)
         return Checked(cfg, held[0] if held else None, identity, notes, sizing)
@@ -334,9 +334,15 @@ def available_memory(meminfo: str = "/proc/meminfo", cgroup: str | None = None) 
     return avail, source
 
 
-def check_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> None:
+RANK_MEMORY_BESIDE_CACHE = 512 << 20  # a rank's own memory beside its cache: torch, a window's working set and its copies
+
+
+def check_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> list[str]:
     """ValueError naming storage.cpu_cache_bytes when the CPU caches of the node's ranks
-    (each allocates its budget at start) exceed the memory available to them."""
+    (each allocates its budget at start) exceed the memory available to them. Returns a warning
+    where a memory cgroup's limit leaves a rank less than RANK_MEMORY_BESIDE_CACHE beside its
+    cache (its processes, not the table, would be OOM-killed: the shard's page cache is clean
+    and reclaimable)."""
     env = os.environ if env is None else env
     local_ranks = launcher_local_size(env)[0] or 1
     need = local_ranks * cfg.storage.cpu_cache_bytes
@@ -347,3 +353,10 @@ def check_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: 
                          f"{local_ranks} rank(s) on this node = {need / 2**30:,.2f} GiB, but only "
                          f"{avail / 2**30:,.2f} GiB are available ({source}); set it to at most about "
                          f"{per_rank:,} (3/4 of the available memory over the node's ranks)")
+    if avail >= 0 and "cgroup" in source and avail - need < local_ranks * RANK_MEMORY_BESIDE_CACHE:
+        left = (avail - need) / local_ranks
+        return [f"memory: {source.split(' less ')[0]} leaves {left / 2**20:,.0f} MiB per rank beside "
+                f"storage.cpu_cache_bytes ({local_ranks} rank(s) on this node); a rank needs about "
+                f"{RANK_MEMORY_BESIDE_CACHE >> 20} MiB of its own (torch, a window's working set): it may be OOM-killed. "
+                f"Give the job more memory (--mem) or lower storage.cpu_cache_bytes"]
+    return []
