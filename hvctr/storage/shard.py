@@ -74,6 +74,33 @@ SHARD_IO = ("pread", "mmap")
 _INDEX_CHUNK = 4096  # keys probed per round of index block reads (at most 16 MiB of blocks in memory)
 
 
+class KeyFilter:
+    """A Bloom filter of the keys a shard holds (in memory, about 10 bits a row of capacity): a
+    key it says is absent is absent, so the pread path skips the index read of a key seen for the
+    first time (most keys of a table's first pass). It never says absent of a stored key: every
+    insert adds its keys, and opening a shard adds every key of its row_meta."""
+
+    HASHES = 4
+    _SALTS = tuple(np.uint64(0x9E3779B97F4A7C15 * (i + 1) & 0xFFFFFFFFFFFFFFFF) for i in range(HASHES))
+
+    def __init__(self, capacity: int) -> None:
+        self.bits = max(int(capacity) * 10, 1 << 16)
+        self.table = np.zeros((self.bits + 7) // 8, dtype=np.uint8)
+
+    def _slots(self, keys: np.ndarray) -> list[np.ndarray]:
+        return [(mix64(keys ^ salt) % np.uint64(self.bits)).astype(np.int64) for salt in self._SALTS]
+
+    def add(self, keys: np.ndarray) -> None:
+        for h in self._slots(keys):
+            np.bitwise_or.at(self.table, h >> 3, (1 << (h & 7)).astype(np.uint8))
+
+    def may_hold(self, keys: np.ndarray) -> np.ndarray:
+        out = np.ones(keys.shape[0], dtype=bool)
+        for h in self._slots(keys):
+            out &= (self.table[h >> 3] >> (h & 7).astype(np.uint8)) & 1 == 1
+        return out
+
+
 def slot_seed_of(seed: int) -> int:
     """The slot hash's seed, derived from storage.seed (distinct from the init stream)."""
     return int(mix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _SLOT_SALT))
@@ -231,6 +258,7 @@ class Shard:
         self.io_threads = int(io_threads)
         self.io_stats = diskio.IOStats()
         self.index_blocks_read = 0
+        self.filtered_lookups = 0  # keys the key filter knew absent: no index read
         self._index = self._index_keys = self._rows = self._meta = None
         self.index_by_map = False
         if self.io == "pread":
@@ -247,6 +275,11 @@ class Shard:
         self.generation = int(state["generation"])
         self.pass_index = int(state["pass_index"])
         self.was_clean = bool(state["clean"])  # False: the last writer did not close it
+        self.key_filter: KeyFilter | None = None
+        if self.io == "pread":
+            self.key_filter = KeyFilter(self.capacity)
+            for start in range(0, self.n_rows, 1 << 20):
+                self.key_filter.add(self.read_meta(start, start + (1 << 20))["key"])
         self.bytes_read = 0
         self.bytes_written = 0
         if writable:
@@ -325,7 +358,11 @@ class Shard:
         """Row position of each key in this shard, -1 where absent (int64 [n])."""
         keys = np.asarray(keys, dtype=np.uint64)
         if self.io == "pread":
-            return self._probe_blocks(keys)
+            pos = np.full(keys.shape[0], -1, dtype=np.int64)
+            maybe = np.flatnonzero(self.key_filter.may_hold(keys))
+            pos[maybe] = self._probe_blocks(keys[maybe])
+            self.filtered_lookups += keys.shape[0] - maybe.shape[0]
+            return pos
         lib = _probe.native_table(self._index)
         if lib is not None:
             return _probe.find_values(lib, self._index, keys, self.slot_seed, empty_by_key=True)
@@ -353,6 +390,7 @@ class Shard:
         pos = self.n_rows + np.arange(n, dtype=np.int64)
         if self.io == "pread":
             self._probe_blocks(keys, pos)
+            self.key_filter.add(keys)
             self._write_meta(pos, keys)
             self.n_rows += n
             return pos

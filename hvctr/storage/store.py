@@ -477,6 +477,7 @@ class EmbeddingStore:
             # bytes), and the index blocks its probes read
             **{f"shard_io_{k}": v for k, v in s.io_stats.as_dict().items()},
             "shard_index_blocks_read": s.index_blocks_read,
+            "shard_filtered_lookups": s.filtered_lookups,
             "store_s": self.total_s, "shard_s": self.shard_s, "cache_s": self.total_s - self.shard_s,
             **self.counters,
         }

@@ -272,3 +272,23 @@ def test_pwrite_runs_writes_exactly_the_given_items(tmp_path, with_current):
         want = init.copy()
         want[pos] = data
         np.testing.assert_array_equal(np.fromfile(path, np.float32).reshape(n_items, width), want, err_msg=str(trial))
+
+
+def test_the_key_filter_skips_index_reads_of_new_keys_and_never_hides_a_stored_one(tmp_path, io_path):
+    if io_path == "mmap":
+        pytest.skip("the pread path's filter")
+    path = tmp_path / "s.h5"
+    shard = _create(path, capacity=50_000)
+    keys = _keys(40_000, seed=12)
+    pos = shard.insert(keys[:30_000])
+    before = shard.index_blocks_read
+    fresh = keys[30_000:]
+    assert (shard.lookup(fresh) == -1).all()
+    assert shard.filtered_lookups > 0.9 * fresh.size  # about 1% false positives at 10 bits a row
+    assert shard.index_blocks_read - before < 0.1 * fresh.size
+    np.testing.assert_array_equal(shard.lookup(keys[:30_000]), pos)
+    shard.close()
+    reopened = _open(path, writable=False)  # the filter is rebuilt from row_meta
+    np.testing.assert_array_equal(reopened.lookup(keys[:30_000]), pos)
+    assert (reopened.lookup(fresh) == -1).all()
+    reopened.close()
