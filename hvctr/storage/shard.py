@@ -72,6 +72,10 @@ STATE_DTYPE = np.dtype([("n_rows", "<i8"), ("generation", "<i8"), ("pass_index",
 _SLOT_SALT = np.uint64(0xD1B54A32D192ED03)
 SHARD_IO = ("pread", "mmap")
 _INDEX_CHUNK = 4096  # keys probed per round of index block reads (at most 16 MiB of blocks in memory)
+# New index entries wait in memory until there are about 8 per index block (1.5 bytes a slot of
+# the index: 61 MiB for a shard of 33M rows), at most 2M (96 MiB), then go to the file together.
+_PENDING_PER_BLOCK = 8
+_PENDING_MAX = 1 << 21
 
 
 class KeyFilter:
@@ -276,6 +280,11 @@ class Shard:
         self.pass_index = int(state["pass_index"])
         self.was_clean = bool(state["clean"])  # False: the last writer did not close it
         self.key_filter: KeyFilter | None = None
+        self._pending_cap = min(self.capacity, _PENDING_MAX,
+                                max(self.num_slots // SLOTS_PER_BLOCK * _PENDING_PER_BLOCK, 4096))
+        self._pending: np.ndarray | None = None
+        self._pending_parts: list[tuple[np.ndarray, np.ndarray]] = []
+        self._pending_n = 0
         if self.io == "pread":
             self.key_filter = KeyFilter(self.capacity)
             for start in range(0, self.n_rows, 1 << 20):
@@ -358,10 +367,14 @@ class Shard:
         """Row position of each key in this shard, -1 where absent (int64 [n])."""
         keys = np.asarray(keys, dtype=np.uint64)
         if self.io == "pread":
-            pos = np.full(keys.shape[0], -1, dtype=np.int64)
-            maybe = np.flatnonzero(self.key_filter.may_hold(keys))
+            if self._pending_n:  # entries not yet in the file's index
+                pos = _probe.find_values(native.lib(), self._pending, keys, self.slot_seed, empty_by_key=True)
+            else:
+                pos = np.full(keys.shape[0], -1, dtype=np.int64)
+            rest = np.flatnonzero(pos < 0)
+            maybe = rest[self.key_filter.may_hold(keys[rest])]
             pos[maybe] = self._probe_blocks(keys[maybe])
-            self.filtered_lookups += keys.shape[0] - maybe.shape[0]
+            self.filtered_lookups += rest.shape[0] - maybe.shape[0]
             return pos
         lib = _probe.native_table(self._index)
         if lib is not None:
@@ -389,7 +402,20 @@ class Shard:
                 f"storage.admit_after / old ones with storage.ttl_passes)")
         pos = self.n_rows + np.arange(n, dtype=np.int64)
         if self.io == "pread":
-            self._probe_blocks(keys, pos)
+            # The entries wait in memory and reach the file's index together (flush_index): a
+            # 4 KiB block then takes many of them in one write, where one write per new key would
+            # rewrite most of the index every window.
+            if self._pending_n + n > self._pending_cap:
+                self.flush_index()
+            if n > self._pending_cap:
+                self._probe_blocks(keys, pos)
+            else:
+                if self._pending is None:
+                    self._pending = np.empty(2 * self._pending_cap, dtype=INDEX_DTYPE)
+                    self._pending["key"], self._pending["row"] = EMPTY_KEY, -1
+                _probe.claim_slots(native.lib(), self._pending, keys, pos, self.slot_seed, empty_by_key=True)
+                self._pending_parts.append((keys.copy(), pos))
+                self._pending_n += n
             self.key_filter.add(keys)
             self._write_meta(pos, keys)
             self.n_rows += n
@@ -475,6 +501,16 @@ class Shard:
                 todo = todo[nt >= 0]
             result[idx] = res
         return result
+
+    def flush_index(self) -> None:
+        """Writes the index entries waiting in memory (pread path) into the file's index."""
+        if not self._pending_n:
+            return
+        keys = np.concatenate([k for k, _ in self._pending_parts])
+        pos = np.concatenate([p for _, p in self._pending_parts])
+        self._probe_blocks(keys, pos)
+        self._pending["key"], self._pending["row"] = EMPTY_KEY, -1
+        self._pending_parts, self._pending_n = [], 0
 
     # --- rows --------------------------------------------------------------------------
 
@@ -566,6 +602,8 @@ class Shard:
 
     def save_state(self, clean: bool = False) -> None:
         self._require_writable()
+        if clean:
+            self.flush_index()
         state = np.array([(self.n_rows, self.generation, self.pass_index, int(clean))], dtype=STATE_DTYPE)
         pwrite_all(self._fd, memoryview(state).cast("B"), self._off["state"])
 
@@ -575,6 +613,8 @@ class Shard:
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def sync(self) -> None:
+        if self.writable:
+            self.flush_index()
         os.fsync(self._fd)
 
     def file_bytes(self) -> int:
@@ -584,7 +624,8 @@ class Shard:
         if self._fd < 0:
             return
         if self.writable:
-            self.save_state(clean=True)
+            self.save_state(clean=True)  # the index entries waiting in memory first
+        self._pending = None
         # Dropping the arrays unmaps the file (numpy holds the mmap's buffer until then).
         self._index = self._index_keys = self._rows = self._meta = None
         os.close(self._fd)

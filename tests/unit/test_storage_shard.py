@@ -209,8 +209,8 @@ def test_block_probes_cross_blocks_and_the_table_end_and_agree_with_the_map(tmp_
                          io=writer_io)
     keys = _keys(5 * SLOTS_PER_BLOCK - 12, seed=8)
     pos = np.concatenate([shard.insert(part) for part in np.array_split(keys, 7)])
+    shard.close()  # the entries waiting in memory go to the file's index
     blocks_read = shard.index_blocks_read
-    shard.close()
     reader = Shard.open(path, writable=False, io=reader_io)
     np.testing.assert_array_equal(reader.lookup(keys), pos)
     absent = _keys(500, seed=6)
