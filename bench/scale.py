@@ -386,7 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     limit = int(args.limit_gib * 2**30) if args.limit_gib else max(int(table / 10), int(1.5 * 2**30))
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hvctr-scale-", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
-    need = rows * 600 + table + keys_est * (row_bytes + 16) * 1.2 + keys_est * 80
+    # data (TSV, then shards), one run's shards at a time, a checkpoint base and a delta of every
+    # row (keys, rows, last_seen), an export (key, w, w1), a resume's rebuilt shards beside them
+    ckpt = keys_est * (8 + row_bytes + 4)
+    need = rows * 700 + 2 * table + 2 * ckpt + keys_est * 80
     check_disk(work, int(need))
     log = work / "bench-scale.log"
     print(f"bench.scale: {rows:,} rows x {args.unique_fields} unique fields, table {table / 1e9:,.1f} GB, limit "
