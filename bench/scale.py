@@ -150,8 +150,31 @@ class Cgroup:
 # --- the device ------------------------------------------------------------------------------
 
 
+def _pool_rate(path: Path, size: int, seconds: int, threads: int, item: int) -> int:
+    """Items of ``item`` bytes at random sorted positions of ``path`` read per second by hvctr's pool
+    (storage.io_threads = ``threads``), the file's pages dropped first, in batches of 20k as a
+    window's cold rows come."""
+    from hvctr.kernels import diskio
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        rng = np.random.default_rng(threads)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            pos = np.unique(rng.integers(0, size // item, 20000 if threads > 1 else 2000))
+            buf = np.empty(pos.size * item, dtype=np.uint8)
+            diskio.read(fd, str(path), 0, item, pos, buf, threads)
+            n += pos.size
+        return round(n / (time.perf_counter() - t0))
+    finally:
+        os.close(fd)
+
+
 def device_rate(work: Path, seconds: int) -> dict:
-    """4 KiB random reads per second at depth 1 and 32 on ``work``'s file system."""
+    """4 KiB random reads per second at depth 1 and 32 on ``work``'s file system (fio, else the
+    pool), and what hvctr's pool reads of the same file: 4 KiB pages and 208-byte rows (D = 16)."""
     path = work / "device-probe.bin"
     size = 4 << 30
     with open(path, "wb") as f:
@@ -169,6 +192,8 @@ def device_rate(work: Path, seconds: int) -> dict:
                                     "--time_based", "--output-format=json", "--group_reporting"],
                                    capture_output=True, text=True, check=True)
                 out[f"iops_depth{depth}"] = round(json.loads(r.stdout)["jobs"][0]["read"]["iops"])
+            out["pool_pages_per_s"] = _pool_rate(path, size, seconds, 32, 4096)
+            out["pool_rows_per_s"] = _pool_rate(path, size, seconds, 32, 208)
             return out
         from hvctr.kernels import diskio
         out = {"tool": "hvctr's pread pool (fio not installed), 4 KiB randread, page cache dropped"}
@@ -324,7 +349,10 @@ def report(res: dict) -> str:
         f"storage.cpu_cache_bytes = {cfg['cache_bytes']:,} a rank, storage.rows_per_rank = {cfg['rows_per_rank']:,}; "
         f"shards {gb(b['shard_bytes'])} on disk; memory limit {cfg['limit'] / 2**30:,.2f} GiB "
         f"({cfg['kind']}, page cache counted): the table is {b['shard_bytes'] / cfg['limit']:.1f}x the limit.",
-        f"Device ({dev['tool']}): {dev['iops_depth1']:,} reads/s at depth 1, {best:,} at depth 32.",
+        f"Device ({dev['tool']}): {dev['iops_depth1']:,} reads/s at depth 1, {best:,} at depth 32."
+        + (f" hvctr's pool (32 threads, pages dropped) on the same file: {dev['pool_pages_per_s']:,} random 4 KiB "
+           f"pages/s (**{dev['pool_pages_per_s'] / best:.2f}x** fio) and {dev['pool_rows_per_s']:,} random 208-byte "
+           f"rows/s ({dev['pool_rows_per_s'] / best:.2f}x)." if "pool_pages_per_s" in dev else ""),
         "",
         "| | no limit | in the cgroup | limited / unlimited |",
         "|---|---|---|---|",
@@ -372,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-mib", type=int, default=128, help="storage.cpu_cache_bytes a rank, MiB (default 128)")
     p.add_argument("--work", default="", help="work directory (default: a new one under /var/tmp)")
     p.add_argument("--fio-seconds", type=int, default=15)
+    p.add_argument("--device-only", action="store_true", help="measure the device and the pool, then stop")
     p.add_argument("--out", default="", help="also write the results as JSON here")
     p.add_argument("--write", default="", help="put the report into this Markdown file (BENCHMARKS.md)")
     args = p.parse_args(argv)
@@ -390,12 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     # row (keys, rows, last_seen), an export (key, w, w1), a resume's rebuilt shards beside them
     ckpt = keys_est * (8 + row_bytes + 4)
     need = rows * 700 + 2 * table + 2 * ckpt + keys_est * 80
-    check_disk(work, int(need))
+    check_disk(work, int(need) if not args.device_only else 5 << 30)
     log = work / "bench-scale.log"
     print(f"bench.scale: {rows:,} rows x {args.unique_fields} unique fields, table {table / 1e9:,.1f} GB, limit "
           f"{limit / 2**30:,.2f} GiB ({table / limit:.1f}x), work {work}; log {log}", flush=True)
     dev = device_rate(work, args.fio_seconds)
     print(f"bench.scale: device {dev}", flush=True)
+    if args.device_only:
+        return 0
     data = make_data(work, rows, args.unique_fields, log)
     manifest = json.loads((data / "manifest.json").read_text())
     train_rows = sum(s["rows"] for s in manifest["shards"]["train"])

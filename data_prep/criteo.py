@@ -14,7 +14,10 @@ Resume: the same command after a kill redoes only what manifest.json does not re
 (the manifest, not the existence of a file, is the record). The job it records (options, and each
 input's path, size and mtime) must match: an input modified since is refused, not "complete";
 shard files in --out without a manifest are refused, not overwritten. Everything is written under a
-temporary name and renamed when complete; the manifest is rewritten the same way.
+temporary name and renamed when complete; the manifest is rewritten the same way. A piece the
+manifest records is checked on resume (its size, its HDF5 metadata): a damaged one is named and
+its unit parsed again. One job per --out: rank 0 holds ``<out>/data_prep.lock`` (a flock, as
+hvctr train's run directory lock) and a second job is refused at once, naming the holder.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ import data_prep
 from hvctr import formats
 from data_prep.mpi import Comm, get_comm
 from hvctr.formats.lines import parse_block
-from data_prep.pieces import (FILE_OVERHEAD, ROW_BYTES, PieceBuilder, ShardWriter, piece_path,
+from data_prep.pieces import (FILE_OVERHEAD, ROW_BYTES, PieceBuilder, ShardWriter, piece_path, piece_problem,
                               piece_shard_counts, write_error)
+from hvctr.formats.dirlock import DirLock
 from hvctr.data.manifest import read_manifest
 from hvctr.formats.space import check_free_space
 from hvctr.formats import NUM_DENSE, NUM_FIELDS, SPLITS, KeySketch
@@ -48,6 +52,7 @@ from hvctr.log import get_logger, setup_logging
 log = get_logger("data_prep")
 MANIFEST = "manifest.json"
 WORK = "_work"
+LOCK = "data_prep.lock"  # flock held by rank 0 for the job's life: one job per --out (hvctr.formats.dirlock)
 SPLIT_RULE = ("global line index g over all inputs in the order given, --valid-input files last (data lines "
               "only, rejected lines included); shard = g mod S; validation = every line of the --valid-input "
               "files and the last round(F * L) of the L lines of the --input files")
@@ -152,13 +157,26 @@ class Assembly:
     todo: list[int]  # shards without a complete record for both splits
 
 
+def output_lock(out: str) -> DirLock:
+    """The lock of an output directory: rank 0 holds ``<out>/data_prep.lock`` from the plan to the
+    end of the job; a second job on that --out is refused at once, naming the holder."""
+    return DirLock(out, LOCK, "data_prep criteo", key="--out", option="--out", kind="output directory")
+
+
 def run_job(comm: Comm, job: Job) -> int:
+    tracker = Tracker(comm, job) if comm.rank == 0 else None
+    try:
+        return _run_job(comm, job, tracker)
+    finally:
+        if tracker is not None and tracker.lock is not None:
+            tracker.lock.release()
+
+
+def _run_job(comm: Comm, job: Job, tracker: "Tracker | None") -> int:
     t0, work_cpu = time.monotonic(), 0.0  # CPU seconds inside units and shards, waits excluded
-    tracker = None
     plan, err = None, None
-    if comm.rank == 0:
+    if tracker is not None:
         try:
-            tracker = Tracker(comm, job)
             plan = tracker.plan()
         except ValueError as e:
             err = str(e)
@@ -278,7 +296,11 @@ def assemble_shards(job: Job, asm: Assembly, batch: list[int], tick: Callable[[i
             train, valid = piece_shard_counts(offset, lines, bad, S, asm.cutoff)
             if not any(train[s] + valid[s] for s in batch):
                 continue
-            with h5py.File(path, "r") as f:
+            try:
+                f = h5py.File(path, "r")
+            except OSError as e:  # not the disk's space: the piece, damaged since it was written
+                raise ValueError(_damaged_piece(path, e)) from None
+            with f:
                 goff = f.attrs["goff"]
                 by_residue = (train + valid)[(offset + np.arange(S)) % S]
                 if not np.array_equal(np.diff(goff), by_residue):
@@ -290,7 +312,10 @@ def assemble_shards(job: Job, asm: Assembly, batch: list[int], tick: Callable[[i
                     t, v = int(train[s]), int(valid[s])
                     if t + v == 0:
                         continue
-                    lab, den, key = f["labels"][a:a + t + v], f["dense"][a:a + t + v], f["keys"][a:a + t + v]
+                    try:
+                        lab, den, key = f["labels"][a:a + t + v], f["dense"][a:a + t + v], f["keys"][a:a + t + v]
+                    except (OSError, KeyError) as e:
+                        raise ValueError(_damaged_piece(path, e)) from None
                     writers["train", s].write(lab[:t], den[:t], key[:t])
                     writers["valid", s].write(lab[t:], den[t:], key[t:])
                     n += t + v
@@ -306,6 +331,11 @@ def assemble_shards(job: Job, asm: Assembly, batch: list[int], tick: Callable[[i
             if w.file.id.valid:
                 w.abandon()
         raise
+
+
+def _damaged_piece(path: str, e: Exception) -> str:
+    return (f"{path}: cannot read this piece ({e}): damaged since it was written; run the same data_prep "
+            f"command again: it checks every piece it recorded and parses the unit of a damaged one again")
 
 
 # ----------------------------------------------------------------------------------------
@@ -352,6 +382,7 @@ class Tracker:
     t_log: float = 0.0
     flush_cost: float = 0.0
     dirty: bool = False
+    lock: DirLock | None = None  # <out>/data_prep.lock, held from the plan on
 
     @property
     def path(self) -> str:
@@ -361,6 +392,9 @@ class Tracker:
         job = self.job
         sources = open_sources([*job.inputs, *job.valid_inputs], job.format)
         _prepare_out_dir(job.out)
+        self.lock = output_lock(job.out).acquire()  # before the manifest is read: one job per --out
+        if self.lock.stale:
+            log.warning(self.lock.stale)
         chunk = job.chunk_bytes or auto_chunk_bytes(sources)
         units = make_units(sources, chunk)
         ident = _identity(job, sources, chunk, len(units))
@@ -586,10 +620,20 @@ def _schema() -> dict:
 
 
 def _forget_unfinished(m: dict, job: Job) -> None:
-    """Keeps only records whose files are there (a record is only written after its file)."""
+    """Keeps only records whose files are there (a record is only written after its file), and
+    of a unit only when each of its pieces is as recorded (size, datasets: ``piece_problem``): a
+    damaged piece (truncated, overwritten) is named and its unit parsed again."""
     for i, rec in enumerate(m["units"]):
-        if rec and not all(os.path.exists(piece_path(job.work_dir, i, k)) for k in range(len(rec["pieces"]))):
-            m["units"][i] = None
+        if not rec:
+            continue
+        for k, prec in enumerate(rec["pieces"]):
+            path = piece_path(job.work_dir, i, k)
+            why = piece_problem(path, prec, job.shards)
+            if why:
+                src = m["sources"][rec["source"]]["path"] if rec["source"] < len(m["sources"]) else "?"
+                log.warning(f"{path}: recorded in {MANIFEST} as parsed, but {why}: unit {i} ({src}) is parsed again")
+                m["units"][i] = None
+                break
     for split in SPLITS:
         for s, rec in enumerate(m["shards"][split]):
             if rec and not os.path.exists(os.path.join(job.out, rec["file"])):

@@ -66,13 +66,40 @@ class PieceBuilder:
                 f.create_dataset("keys", data=keys[order], track_times=False)
                 f.attrs["goff"] = goff
             os.replace(tmp, path)
+            nbytes = os.stat(path).st_size  # recorded: a resume redoes a piece of another size (piece_problem)
         except OSError as e:
             if os.path.exists(tmp):
                 os.remove(tmp)
             raise write_error(path, e) from None
         missing = np.sum([b.missing for b in self.parts], axis=0) if self.parts else np.zeros(NUM_DENSE + NUM_FIELDS)
-        return {"lines": self.lines, "rows": int(labels.size), "positives": int(labels.sum()),
+        return {"lines": self.lines, "rows": int(labels.size), "positives": int(labels.sum()), "bytes": nbytes,
                 "missing": [int(x) for x in missing], "bad": [[int(i), why] for i, why in self.bad]}
+
+
+def piece_problem(path: str, rec: dict, shards: int) -> str:
+    """What is wrong with the piece file ``path`` against its manifest record ``rec`` ("" when
+    nothing): missing, another size than recorded (a record from before sizes were recorded is
+    not compared on size), unreadable as HDF5, or datasets and group offsets that do not hold
+    the record's rows. Reads the file's metadata only, not its rows."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return "its file is missing"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    if "bytes" in rec and size != rec["bytes"]:
+        return f"it is {size:,} bytes, {rec['bytes']:,} when it was written (truncated or overwritten)"
+    rows = rec["rows"]
+    try:
+        with h5py.File(path, "r") as f:
+            shapes = {name: f[name].shape for name in ("labels", "dense", "keys")}
+            goff = np.asarray(f.attrs["goff"])
+    except (OSError, KeyError) as e:
+        return f"it is not a readable piece ({e})"
+    if shapes != {"labels": (rows,), "dense": (rows, NUM_DENSE), "keys": (rows, NUM_FIELDS)} \
+            or goff.shape != (shards + 1,) or int(goff[-1]) != rows:
+        return f"its datasets do not hold the {rows:,} rows recorded"
+    return ""
 
 
 FILE_OVERHEAD = 1 << 20  # HDF5 headers and alignment, generously

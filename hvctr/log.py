@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import IO, Callable
 
 _ROOT = "hvctr"
 
@@ -45,7 +46,19 @@ class _RankFilter(logging.Filter):
 
 class _LogFile(logging.FileHandler):
     """A rank's log file. A write that fails (a full disk) is said once, in one line naming
-    the file, and the file is left alone from then on: not a traceback per log line."""
+    the file, and the file is left alone from then on: not a traceback per log line.
+    ``open_file(path, mode, encoding=, errors=)`` opens it: the commands pass
+    hvctr.formats.safefile.open_append (O_NOFOLLOW: a link planted at its name is refused,
+    naming it); a layer above this one's, so it is handed in, not imported."""
+
+    def __init__(self, filename, open_file: Callable[..., IO] | None = None) -> None:
+        self._open_file = open_file
+        super().__init__(filename)
+
+    def _open(self):
+        if self._open_file is None:
+            return super()._open()
+        return self._open_file(self.baseFilename, self.mode, encoding=self.encoding, errors=self.errors)
 
     def handleError(self, record: logging.LogRecord) -> None:
         e = sys.exc_info()[1]
@@ -61,8 +74,10 @@ class _LogFile(logging.FileHandler):
 
 
 def setup_logging(rank: int = 0, world_size: int = 1, all_ranks: bool = False,
-                  level: int = logging.INFO, file: str | None = None) -> None:
-    """Configures the ``hvctr`` logger; ``file`` also gets every line of this rank."""
+                  level: int = logging.INFO, file: str | None = None,
+                  open_file: Callable[..., IO] | None = None) -> None:
+    """Configures the ``hvctr`` logger; ``file`` also gets every line of this rank, opened by
+    ``open_file`` (hvctr.formats.safefile.open_append: never through a planted link)."""
     root = logging.getLogger(_ROOT)
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -75,7 +90,7 @@ def setup_logging(rank: int = 0, world_size: int = 1, all_ranks: bool = False,
     stream.addFilter(_RankFilter(rank, all_ranks))
     root.addHandler(stream)
     if file:
-        fh = _LogFile(file)
+        fh = _LogFile(file, open_file)
         fh.setFormatter(RankFormatter(rank, width))
         root.addHandler(fh)
 

@@ -10,7 +10,9 @@ process dies, however it dies). A second job fails at once, naming the holder's 
 from the file. A lock file that still names a holder when the lock is free was left by a job
 that never released it (killed, or its node lost): reported as stale and taken over. flock
 works across the nodes of NFS (v4, and v3 with lockd) and Lustre mounted with ``flock``; on a
-file system without it, flock fails and the error says so.
+file system without it, flock fails and the error says so (the lock's core: hvctr.formats.dirlock,
+which data_prep's --out lock shares). At every checkpoint rank 0 checks that the lock file it holds is
+still there (``check_in_place``): a run directory deleted or moved mid-run stops the job.
 
 A resume continues the run its checkpoints were written by. ``identity.json`` records, at the
 first start: the resolved config, the digest of the training data (its data_prep manifest's
@@ -23,42 +25,22 @@ other difference (learning rates, log cadence, epochs, cache sizes) is listed as
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
-import socket
 import stat
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hvctr.formats.dirlock import DirLock, describe_holder, pid_alive  # noqa: F401 (hvctr.sweep imports pid_alive)
+
 if TYPE_CHECKING:
     from hvctr.config import Config
 
 LOCK_NAME = "hvctr.lock"
 IDENTITY_NAME = "identity.json"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this pid exists on this host (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def describe_holder(holder: dict[str, Any] | None) -> str:
-    if not holder:
-        return "a job that has not yet written its name into the lock file"
-    what = f"host {holder.get('host')} pid {holder.get('pid')}"
-    if holder.get("started"):
-        what += f" (since {holder['started']}, {holder.get('command', 'hvctr')})"
-    return what
 
 
 def usable_dir(path: str | Path, what: str) -> Path:
@@ -83,98 +65,34 @@ def usable_dir(path: str | Path, what: str) -> Path:
     return anc
 
 
-class RunLock:
+class RunLock(DirLock):
     """An exclusive flock on ``<run_dir>/hvctr.lock``: ``RunLock(run_dir).acquire()``, held
-    until ``release()`` or the end of the process. ``stale``: the note on a stale lock taken
-    over ("" when there was none)."""
+    until ``release()`` or the end of the process (hvctr.formats.dirlock, shared with
+    data_prep). ``stale``: the note on a stale lock taken over ("" when there was none)."""
 
     def __init__(self, run_dir: str | Path, command: str = "hvctr train") -> None:
-        self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_NAME
-        self.command = command
-        self.stale = ""
-        self._fd: int | None = None
+        super().__init__(run_dir, LOCK_NAME, command, key="config key 'train.run_dir'", option="train.run_dir",
+                         kind="run directory")
+        self.run_dir = self.directory
 
     def acquire(self) -> "RunLock":
         """ValueError naming the holder when another job holds the run directory, or naming the
         path when the directory cannot hold a lock file."""
         usable_dir(self.run_dir, "config key 'train.run_dir'")
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            raise ValueError(f"config key 'train.run_dir': cannot create the run directory's lock file "
-                             f"{self.path}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _read_holder(fd)
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise ValueError(f"{self.run_dir} is in use by another job: {_held_by(holder)} holds "
-                                 f"{self.path}; wait for that job to end (or stop it), or choose another "
-                                 f"train.run_dir") from None
-            raise ValueError(f"cannot lock {self.path} ({e.strerror or e}): the file system of "
-                             f"{self.run_dir} does not support flock; put train.run_dir on one that does") from None
-        prior = _read_holder(fd)
-        if prior:
-            self.stale = (f"{self.path}: stale lock of {describe_holder(prior)}, a job that ended without "
-                          f"releasing it (killed, or its node lost): taken over")
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "command": self.command,
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        try:
-            _write_holder(fd, holder)
-        except OSError as e:
-            os.close(fd)
-            raise ValueError(f"config key 'train.run_dir': cannot write the lock file {self.path}: "
-                             f"{e.strerror or e}") from None
-        self._fd = fd
+        super().acquire()
         return self
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def release(self) -> None:
-        """Empties the file (a file naming a holder while unlocked is a stale lock) and unlocks."""
-        if self._fd is None:
-            return
-        try:
-            os.ftruncate(self._fd, 0)
-        except OSError:
-            pass  # a full or gone disk: the next job reports a stale lock, which is true enough
-        os.close(self._fd)
-        self._fd = None
-
-
-def _held_by(holder: dict[str, Any] | None) -> str:
-    what = describe_holder(holder)
-    if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int) \
-            and not pid_alive(holder["pid"]):
-        what += (" -- that process is gone, but a process it started still holds the lock "
-                 "(find it with: fuser -v <lock file>)")
-    return what
-
-
-def _read_holder(fd: int) -> dict[str, Any] | None:
-    try:
-        raw = os.pread(fd, 4096, 0)
-    except OSError:
-        return None
-    if not raw.strip():
-        return None
-    try:
-        holder = json.loads(raw)
-    except ValueError:
-        holder = None
-    return holder if isinstance(holder, dict) else {"host": "?", "pid": "?"}
-
-
-def _write_holder(fd: int, holder: dict[str, Any]) -> None:
-    data = (json.dumps(holder, sort_keys=True) + "\n").encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
-    os.fsync(fd)
+    def check_in_place(self) -> None:
+        """ValueError naming the run directory when it is no longer the one this lock was taken
+        in: deleted (``rm -rf``), moved, or replaced by another directory of that name, or the
+        lock file itself removed or replaced. Whatever the job writes there then is lost (files
+        of a deleted directory) or lands in a directory without its lock. Two stats and an fstat:
+        called at every checkpoint (hvctr.checkpoint.manager's ``guard``). A no-op unless held."""
+        if not self.in_place():
+            raise ValueError(f"{self.run_dir}: the run directory was deleted, moved or replaced while this job "
+                             f"ran ({self.path}, the lock this job holds, is no longer there): stopped, nothing "
+                             f"more written; what the job wrote there since is lost with it: restore the "
+                             f"directory and run again with --resume, or start a new train.run_dir")
 
 
 # --- where the working shards go -------------------------------------------------------
@@ -385,13 +303,12 @@ def check_resume_identity(run_dir: str | Path, now: dict[str, Any]) -> list[str]
 def write_json(path: str | Path, obj: Any, what: str = "") -> None:
     """``obj`` as JSON at ``path``, under a temporary name, then renamed: never half-written; a
     failed write leaves nothing of it and is a ValueError naming ``what`` and the path."""
+    from hvctr.formats import safefile  # a fresh temporary file: never through a planted link
+
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        safefile.write_text(path, json.dumps(obj, indent=1, sort_keys=True))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise ValueError(f"cannot write {what + ' ' if what else ''}{path}: {e.strerror or e}") from None
 
 

@@ -10,17 +10,18 @@ import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import h5py
 import numpy as np
 
 from hvctr.checkpoint.format import (
     _LOAD_CHUNK, _PREFIX, FORMAT_VERSION, CheckpointWriteError, TrainState, _rank_file, _seq_of,
-    checkpoint_path, file_sha256, kernel_path_change, rank_file_path, read_bucket_owner, read_manifests,
+    check_rank_file, checkpoint_path, file_sha256, kernel_path_change, rank_file_path, read_bucket_owner, read_manifests,
     write_manifest, write_reserved,
 )
 from hvctr.distributed.world import AgreedError, group_errors, raise_agreed
+from hvctr.formats import safefile
 from hvctr.kernels import native
 from hvctr.log import get_logger
 
@@ -35,9 +36,13 @@ log = get_logger(__name__)
 class CheckpointManager:
     """Writes, finds, verifies and loads checkpoints for one rank (collectives through comm)."""
 
-    def __init__(self, directory: str | Path, comm: Comm, keep: int, compact_every: int) -> None:
+    def __init__(self, directory: str | Path, comm: Comm, keep: int, compact_every: int,
+                 guard: Callable[[], None] | None = None) -> None:
         self.dir = Path(directory)
         self.comm = comm
+        # before each checkpoint: a ValueError from it (rank 0's RunLock.check_in_place: the run
+        # directory is gone) stops every rank, agreed, before any rank writes a byte of it
+        self.guard = guard
         self.keep = keep
         self.compact_every = compact_every
         if comm.rank == 0:
@@ -63,6 +68,11 @@ class CheckpointManager:
         chain = [seq] if is_base else self._last["chain"] + [seq]
         ckdir = self.dir / f"{_PREFIX}{seq:06d}"
         path = ckdir / _rank_file(self.comm.rank)
+        # comm: rank 0's word (it holds the run directory's lock) that the run directory is still
+        # there, before any rank writes: one message, every rank stops (a broadcast, as it is rank 0's)
+        gone = self.comm.broadcast_object(self._check_guard(seq), root=0, name=f"ckpt{seq}.rundir")
+        if gone:
+            raise AgreedError(gone, report=self.comm.rank == 0)
         try:
             rows_written = self._write_rank_file(path, seq, "base" if is_base else "delta", dense, store)
             mine = {"file": path.name, "sha256": file_sha256(path), "bytes": path.stat().st_size,
@@ -81,6 +91,15 @@ class CheckpointManager:
         written = self.comm.agree(lambda: self._write_manifest(ckdir, seq, manifest), name=f"ckpt{seq}.manifest")
         self._last = written if self.comm.rank == 0 else manifest
         return ckdir
+
+    def _check_guard(self, seq: int) -> str | None:
+        """The guard's error for checkpoint ``seq`` (None: none, or no guard on this rank)."""
+        if self.guard is not None:
+            try:
+                self.guard()
+            except ValueError as e:
+                return f"checkpoint {seq}: {e}"
+        return None
 
     def _write_manifest(self, ckdir: Path, seq: int, manifest: dict[str, Any]) -> dict[str, Any]:
         """Rank 0: the manifest, then pruning; where it cannot be written, the checkpoint's
@@ -107,10 +126,13 @@ class CheckpointManager:
             arrays["admission"] = admission
         arrays["bucket_owner"] = store.shard.bucket_owner
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            # the checkpoint's directory is made, never followed: a link planted there is refused
+            safefile.make_dir(path.parent)
             # Stream the rows: a base holds the whole shard, far more than memory.
             write_reserved(path, attrs, n, store.layout.width,
                            store.iter_rows(delta_only=kind == "delta", with_last_seen=True), arrays)
+        except safefile.PlantedPathError as e:  # every rank learns it in the allgather, as a full disk
+            raise CheckpointWriteError(f"checkpoint {seq}: {e}") from None
         except OSError as e:
             raise self._write_error(seq, path, e) from None
         return n
@@ -152,16 +174,23 @@ class CheckpointManager:
             return (f"checkpoint {manifest['seq']} was written by {manifest['world_size']} ranks, this run "
                     f"has {self.comm.size}: reshard it first (hvctr reshard --checkpoint "
                     f"{checkpoint_path(self.dir, manifest['seq'])} --world-size {self.comm.size} --out DIR)")
-        for seq in manifest["chain"]:
+        chain = manifest.get("chain")
+        if not (isinstance(chain, list) and chain and all(type(s) is int for s in chain)
+                and chain[-1] == manifest["seq"] and all(a < b for a, b in zip(chain, chain[1:]))):
+            return f"checkpoint {manifest['seq']}: its chain {chain!r} is not a list of checkpoints ending in it"
+        width = None
+        for seq in chain:
             m = by_seq.get(seq)
             if m is None:
                 return f"checkpoint {seq} (in the chain of {manifest['seq']}) has no manifest"
-            rec = m["files"][self.comm.rank]
-            path = self.dir / f"{_PREFIX}{seq:06d}" / rec["file"]
-            if not path.is_file():
-                return f"{path} is missing"
-            if path.stat().st_size != rec["bytes"] or file_sha256(path) != rec["sha256"]:
-                return f"{path} does not match its checksum in the manifest (truncated or corrupted)"
+            if m.get("world_size") != manifest["world_size"]:
+                return (f"checkpoint {seq} (in the chain of {manifest['seq']}) was written by "
+                        f"{m.get('world_size')!r} ranks, checkpoint {manifest['seq']} by {manifest['world_size']}")
+            # the file load() opens: listed under its name, a plain file, its checksum, its
+            # world size and rank, its datasets' shapes against its size, its bucket table
+            problem, width, _ = check_rank_file(self.dir, m, self.comm.rank, True, width)
+            if problem:
+                return problem
         return ""
 
     def find_latest(self, seq: int | None = None) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -386,13 +387,12 @@ def to_toml(cfg: Config) -> str:
 
 
 def write_toml(cfg: Config, path: str | Path) -> None:
+    from hvctr.formats import safefile  # a fresh temporary file: never through a planted link
+
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(to_toml(cfg))
-        tmp.replace(path)
+        safefile.write_text(path, to_toml(cfg))
     except OSError as e:  # a full disk: nothing half-written left, one message naming the file
-        tmp.unlink(missing_ok=True)
         raise ValueError(f"cannot write the resolved config {path}: {e.strerror or e}") from None
 
 
@@ -404,9 +404,23 @@ def _require(ok: bool, key: str, msg: str) -> None:
         raise ValueError(f"config key {key!r}: {msg}")
 
 
+def _require_finite(cfg: Config) -> None:
+    """Every float key: a finite number (nan and inf pass comparisons like ``x > 0``, or fail
+    them silently, and train to a loss of nan)."""
+    for section in dataclasses.fields(cfg):
+        body = getattr(cfg, section.name)
+        for name, typ in _field_types(type(body)).items():
+            if typ is float:
+                value = getattr(body, name)
+                _require(math.isfinite(value), f"{section.name}.{name}", f"must be a finite number, got {value}")
+
+
 def _validate(cfg: Config) -> None:
     s, m, d, t = cfg.storage, cfg.merge, cfg.data, cfg.train
     topo = cfg.topology
+    _require_finite(cfg)
+    _require(s.init_scale >= 0, "storage.init_scale", f"must be >= 0, got {s.init_scale}")
+    _require(t.queue_timeout_s > 0, "train.queue_timeout_s", f"must be > 0 seconds, got {t.queue_timeout_s}")
     _require(topo.threads_per_rank >= 0, "topology.threads_per_rank", f"must be >= 0, got {topo.threads_per_rank}")
     _require(topo.ranks_per_virtual_node >= 0, "topology.ranks_per_virtual_node",
              f"must be >= 0, got {topo.ranks_per_virtual_node}")

@@ -21,7 +21,6 @@ missing or corrupt shard, more ranks than shards) are a ValueError that names th
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -31,6 +30,7 @@ from typing import Mapping, NamedTuple
 import h5py
 import numpy as np
 
+from hvctr.formats import safefile
 from hvctr.data.manifest import load_manifest, manifest_digest
 from hvctr.formats import NUM_DENSE, NUM_FIELDS, SAMPLE_BYTES, SPLITS
 
@@ -103,14 +103,10 @@ def write_stamp(data_dir: str, files: Mapping[str, Mapping[str, int]], run_dir: 
             "data_dir": str(Path(data_dir).resolve()), "files": {k: dict(v) for k, v in sorted(files.items())}}
     note = ""
     for path in _stamp_candidates(data_dir, run_dir):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(body, indent=1))
-            os.replace(tmp, path)
+        try:  # a fresh temporary file, then renamed: never through a planted link
+            safefile.write_text(path, json.dumps(body, indent=1))
             return str(path), note
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             note = (f"cannot write the verification stamp {path} ({e.strerror or e}): "
                     + ("keeping it in the run directory" if run_dir is not None and path.parent != Path(run_dir)
                        else "the next start verifies in full again"))

@@ -49,7 +49,7 @@ def pwrite_all(fd: int, data: memoryview | np.ndarray, offset: int) -> None:
 def reserved(path: str | os.PathLike[str], fsync: bool = False) -> Iterator[int]:
     """Opens ``path`` read-write, reserves every block of it (posix_fallocate over its size)
     and yields the descriptor; closes it at the end (after an fsync where ``fsync``)."""
-    fd = os.open(path, os.O_RDWR)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)  # never a link planted meanwhile
     try:
         os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
         yield fd

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +40,11 @@ import h5py
 import numpy as np
 
 from hvctr.checkpoint.format import file_sha256, write_manifest
-from hvctr.config import Config, load_config, to_dict
+from hvctr.config import Config, load_config, parse_overrides, to_dict
 from hvctr.formats import RowLayout
+from hvctr.formats import safefile
+from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
+from hvctr.formats.space import check_free_space
 from hvctr.log import get_logger
 from hvctr.offline.reader import CheckpointReader
 
@@ -73,11 +75,24 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+# The keys that define the trained model (its shape, its rows, the rule of a key in no table):
+# an export takes them from the run, never from the command line.
+MODEL_KEYS = ("storage.dim", "storage.seed", "storage.init_scale", "storage.admit_after", "model.*")
+
+
 def run_config(run_dir: str | Path, overrides: list[str] = ()) -> Config:
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         raise ValueError(f"{run_dir} is not a run directory: {path} is missing")
-    return load_config(path, overrides)
+    cfg = load_config(path, overrides)
+    if overrides:
+        held, now = to_dict(load_config(path)), to_dict(cfg)
+        for section, key, value in parse_overrides(overrides):
+            name = f"{section}.{key}"
+            if (name in MODEL_KEYS or f"{section}.*" in MODEL_KEYS) and now[section][key] != held[section][key]:
+                raise ValueError(f"--{name}={value}: {name} defines the trained model and cannot be overridden at "
+                                 f"export: the checkpoint was trained with {name} = {held[section][key]!r} ({path})")
+    return cfg
 
 
 def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None,
@@ -89,26 +104,40 @@ def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None =
     cfg = run_config(run_dir, overrides)
     reader = CheckpointReader(checkpoint or cfg.checkpoint.dir or Path(run_dir) / "checkpoints")
     out = Path(out)
-    if out.exists():
+    if os.path.lexists(out):  # a dangling link too: nothing is written through it
         raise ValueError(f"--out {out} exists: exports are written once, choose a new directory")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "sparse").mkdir(parents=True)
-    dim = cfg.storage.dim
-    owner = reader.bucket_owner()
-    files, counts, row_bytes = [], [], 0
-    for rank in range(reader.world_size):
-        name = f"sparse/rank-{rank:05d}.h5"
-        n, nbytes = _write_sparse(tmp / name, reader, rank, dim, owner, row_format)
-        counts.append(n)
-        row_bytes += nbytes
-        files.append(_record(tmp, name, rows=n, row_bytes=nbytes))
-    dense_names = _write_dense(tmp / "dense.h5", cfg, reader.dense(0))
-    files.append(_record(tmp, "dense.h5"))
-    manifest = _manifest(cfg, reader, files, dense_names, sum(counts))
-    manifest.update(row_format=row_format, row_bytes=row_bytes)
-    manifest = write_manifest(tmp / "manifest.json", manifest)  # with the sha256 of its own content
-    os.replace(tmp, out)  # the export appears whole or not at all
+    # X.tmp: made here and marked as hvctr's; a leftover there is removed only when it is a
+    # killed export's (it carries the marker), anything else is refused, naming it (safefile)
+    tmp = safefile.make_temp_dir(out.with_name(out.name + ".tmp"), "hvctr export")
+    current = tmp
+    try:
+        safefile.make_dir(tmp / "sparse", parents=False)
+        dim = cfg.storage.dim
+        owner = reader.bucket_owner()
+        files, counts, row_bytes = [], [], 0
+        for rank in range(reader.world_size):
+            name = f"sparse/rank-{rank:05d}.h5"
+            current = tmp / name
+            n, nbytes = _write_sparse(tmp / name, reader, rank, dim, owner, row_format)
+            counts.append(n)
+            row_bytes += nbytes
+            files.append(_record(tmp, name, rows=n, row_bytes=nbytes))
+        current = tmp / "dense.h5"
+        dense_names = _write_dense(tmp / "dense.h5", cfg, reader.dense(0))
+        files.append(_record(tmp, "dense.h5"))
+        manifest = _manifest(cfg, reader, files, dense_names, sum(counts))
+        manifest.update(row_format=row_format, row_bytes=row_bytes)
+        current = tmp / "manifest.json"
+        manifest = write_manifest(tmp / "manifest.json", manifest)  # with the sha256 of its own content
+        current = out
+        safefile.publish_temp_dir(tmp, out)  # the export appears whole or not at all
+    except OSError as e:  # a full disk: one message naming the file, nothing of the export left
+        safefile.remove_temp_dir(tmp)
+        raise ValueError(f"cannot write {current}: {e.strerror or e}; nothing of the export was kept ({tmp} "
+                         f"removed): free space there, or choose an --out on a larger disk") from None
+    except BaseException:
+        safefile.remove_temp_dir(tmp)
+        raise
     return manifest
 
 
@@ -146,15 +175,10 @@ def _write_sparse(path: Path, reader: CheckpointReader, rank: int, dim: int, own
         stored = dict(zip(("weights", "scale_bias"), quantize_int8_rowwise(weights)))
     else:
         stored = {"weights": weights.astype(np.float16 if row_format == "float16" else np.float32)}
-    with h5py.File(path, "w", **_H5) as f:
-        f.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION, "rank": rank,
-                        "world_size": reader.world_size, "dim": dim, "columns": f"w[{dim}] w1[1]",
-                        "row_format": row_format})
-        # Contiguous (no chunks): a reader may map them by file offset.
-        f.create_dataset("keys", data=keys[order], track_times=False)
-        for name, data in stored.items():
-            f.create_dataset(name, data=data, track_times=False)
-        f.create_dataset("bucket_owner", data=owner, track_times=False)
+    _write_h5(path, {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": rank,
+                     "world_size": reader.world_size, "dim": dim, "columns": f"w[{dim}] w1[1]",
+                     "row_format": row_format},
+              {"keys": keys[order], **stored, "bucket_owner": np.asarray(owner)})
     return int(keys.shape[0]), sum(int(a.nbytes) for a in stored.values())
 
 
@@ -163,14 +187,31 @@ def _write_dense(path: Path, cfg: Config, saved: dict[str, np.ndarray]) -> list[
     from hvctr.models import build_model  # torch: only where it is needed
 
     named = list(build_model(cfg.model, cfg.storage.dim).named_parameters())
-    with h5py.File(path, "w", **_H5) as f:
-        for i, (name, p) in enumerate(named):
-            t = saved.get(f"param.{i:03d}")
-            if t is None or t.shape != tuple(p.shape):
-                raise ValueError(f"checkpoint parameter {i} ({name}) has shape {None if t is None else t.shape}, "
-                                 f"the run's config builds {tuple(p.shape)}: config.toml and checkpoint disagree")
-            f.create_dataset(name, data=t.astype(np.float32), track_times=False)
+    tensors = {}
+    for i, (name, p) in enumerate(named):
+        t = saved.get(f"param.{i:03d}")
+        if t is None or t.shape != tuple(p.shape):
+            raise ValueError(f"checkpoint parameter {i} ({name}) has shape {None if t is None else t.shape}, "
+                             f"the run's config builds {tuple(p.shape)}: config.toml and checkpoint disagree")
+        tensors[name] = t.astype(np.float32)
+    _write_h5(path, {}, tensors)
     return [name for name, _ in named]
+
+
+def _write_h5(path: Path, attrs: dict[str, Any], datasets: dict[str, np.ndarray]) -> None:
+    """A new HDF5 file of contiguous datasets (a reader may map them by file offset), written
+    as the checkpoint's rank files are (hvctr.formats.h5alloc): free space checked, HDF5 writes
+    the skeleton, every block reserved (posix_fallocate), the data by pwrite. So a full disk is
+    an OSError before any data is written, never a failed write inside HDF5 (which crashes)."""
+    arrays = {name: np.ascontiguousarray(a) for name, a in datasets.items()}
+    check_free_space(str(path.parent), sum(a.nbytes for a in arrays.values()) + (64 << 10))
+    with h5py.File(path, "x", **_H5) as f:  # exclusive: never through a planted link
+        f.attrs.update(attrs)
+        offsets = {name: create_early(f, name, a.shape, a.dtype).id.get_offset() for name, a in arrays.items()}
+    with reserved(path) as fd:
+        for name, a in arrays.items():
+            if a.size:
+                pwrite_all(fd, a, offsets[name])
 
 
 def _record(root: Path, name: str, **extra: Any) -> dict[str, Any]:

@@ -14,8 +14,12 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
-from hvctr.checkpoint.format import (checkpoint_path, file_sha256, locate, rank_file_path, read_bucket_owner,
-                              read_manifests)
+from hvctr.checkpoint.format import (_PREFIX, _seq_of, check_rank_file, checkpoint_path, locate, rank_file_path,
+                                     read_bucket_owner, read_manifests)
+from hvctr.formats import default_bucket_owner
+from hvctr.log import get_logger
+
+log = get_logger(__name__)
 
 CHUNK_ROWS = 1 << 18
 
@@ -28,7 +32,12 @@ def _last_occurrence(keys: np.ndarray) -> np.ndarray:
 
 class CheckpointReader:
     """The checkpoint ``path`` names (run directory, checkpoint directory: the newest complete
-    one; or one ckpt-NNNNNN directory), its files verified against the manifest's checksums."""
+    one; or one ckpt-NNNNNN directory), its files verified against the manifest's checksums.
+
+    Every file it opens is checked first (hvctr.checkpoint.format.check_rank_file): listed,
+    a plain file inside the directory, its checksum, its world size, its datasets' shapes
+    against its size; and the bucket tables agree. A newer checkpoint that fails is skipped
+    with a warning naming it and why (export and reshard then use an older one)."""
 
     def __init__(self, path: str | Path, verify: bool = True) -> None:
         self.dir, seq = locate(path)
@@ -44,18 +53,38 @@ class CheckpointReader:
             problems.append(f"checkpoint {m['seq']}: {problem}")
         else:
             raise ValueError(f"{path}: no complete checkpoint" + (f" ({'; '.join(problems)})" if problems else ""))
+        if seq is None:  # the newest asked for: say what was passed over on the way
+            unfinished = sorted(_seq_of(p) for p in self.dir.glob(f"{_PREFIX}*") if p.name[len(_PREFIX):].isdigit()
+                                and _seq_of(p) > self.seq and _seq_of(p) not in self.by_seq)
+            problems += [f"checkpoint {s}: {checkpoint_path(self.dir, s)} has no readable manifest (not complete)"
+                         for s in unfinished]
+        for problem in problems:
+            log.warning(f"{self.dir}: skipped {problem}; using checkpoint {self.seq}")
 
     def _check(self, m: dict[str, Any], verify: bool) -> str:
-        for seq in m["chain"]:
+        ws, chain = m.get("world_size"), m.get("chain")
+        if type(ws) is not int or ws < 1:
+            return f"world_size {ws!r} is not a number of ranks"
+        if not (isinstance(chain, list) and chain and all(type(s) is int for s in chain) and chain[-1] == m["seq"]
+                and all(a < b for a, b in zip(chain, chain[1:]))):
+            return f"its chain {chain!r} is not a list of checkpoints ending in it"
+        width, owner = None, None
+        for seq in chain:
             member = self.by_seq.get(seq)
             if member is None:
                 return f"checkpoint {seq} of its chain has no manifest"
-            for rec in member["files"]:
-                path = checkpoint_path(self.dir, seq) / rec["file"]
-                if not path.is_file():
-                    return f"{path} is missing"
-                if verify and (path.stat().st_size != rec["bytes"] or file_sha256(path) != rec["sha256"]):
-                    return f"{path} does not match its checksum in the manifest"
+            if member.get("world_size") != ws:
+                return f"checkpoint {seq} of its chain was written by {member.get('world_size')!r} ranks, it by {ws}"
+            for rank in range(ws):
+                problem, width, table = check_rank_file(self.dir, member, rank, verify, width)
+                if problem:
+                    return problem
+                table = default_bucket_owner(ws) if table is None else table
+                if owner is None:
+                    owner = table
+                elif not np.array_equal(owner, table):
+                    return (f"{rank_file_path(self.dir, seq, rank)}: its bucket table differs from rank 0's of "
+                            f"checkpoint {chain[0]}: damaged or crafted")
         return ""
 
     @property

@@ -7,8 +7,10 @@ A key's owner is ``bucket_owner[bucket(key)]`` over 4096 virtual buckets (hvctr.
 new world size needs a new bucket table, not a rehash of every key. The new table moves as
 few buckets as it can: every rank ends with 4096 // W2 buckets (or one more), and a bucket
 stays with its owner while that owner is below its share. Each new rank file then holds the
-rows (with their optimiser state and TTL pass) of the buckets it owns, read once, rank by
-rank, from the source chain (base plus deltas, the newest value of each key).
+rows (with their optimiser state and TTL pass) of the buckets it owns, read rank by rank from
+the source chain (base plus deltas, the newest value of each key): twice, a first pass counts
+each new rank's rows, so every new file is written as the trainer's are (its space reserved
+first, then filled by pwrite: a full disk is one error naming the file, and nothing is kept).
 
 The result is one base checkpoint with the source's number: its manifest is written last,
 so a half-written one is no checkpoint. Per new rank r:
@@ -25,14 +27,17 @@ s with s % W2 == r: the same samples in another order, not the same batches).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
 
-import h5py
 import numpy as np
 
-from hvctr.checkpoint.format import FORMAT_VERSION, RowWriter, checkpoint_path, file_sha256, read_manifests, write_manifest
+from hvctr.checkpoint.format import (FORMAT_VERSION, ReservedRankFile, _rank_file, checkpoint_path, file_sha256,
+                                    rank_file_bytes, read_manifests, write_manifest)
+from hvctr.formats import safefile
+from hvctr.formats.space import check_free_space
 from hvctr.formats import NUM_BUCKETS, owner_of
 from hvctr.offline.reader import CheckpointReader
 
@@ -77,31 +82,65 @@ def reshard(source: str | Path, world_size: int, out: str | Path) -> dict[str, A
         raise ValueError(f"--out {out} already holds checkpoints: choose an empty directory")
     old = reader.bucket_owner()
     new = plan_buckets(old, world_size)
+    width = reader.width()
+    counts = _count_rows(reader, new, world_size)  # a first pass: each file's space is reserved up front
+    states = [_rank_state(reader, r, world_size, old, new) for r in range(world_size)]
     ckdir = checkpoint_path(out, reader.seq)
-    ckdir.mkdir(parents=True, exist_ok=True)
-    tmps = [ckdir / f"rank-{r:05d}.h5.tmp" for r in range(world_size)]
-    files = [h5py.File(t, "w", libver=("v110", "v110"), track_order=True) for t in tmps]
+    # --out may be a link to a directory (a larger disk); the checkpoint's own directory, which
+    # hvctr makes, may not: a link planted there is refused (safefile.check_dir)
+    made = ([] if os.path.isdir(out) else [out]) + ([] if safefile.check_dir(ckdir) else [ckdir])
+    safefile.make_dir(ckdir)
+    files: list[ReservedRankFile] = []
+    committed: list[Path] = []
+    current = ckdir
     try:
-        writers = [RowWriter(f, reader.width()) for f in files]
-        rows, moved = _move_rows(reader, new, writers)
-        for r, f in enumerate(files):
-            _write_rank_state(f, reader, r, world_size, old, new)
-    finally:
+        # every new rank file is written as the trainer's are (space reserved, then pwrite):
+        # a full disk is one error naming the file, before any row is written
+        check_free_space(str(ckdir), sum(rank_file_bytes(int(counts[r]), width, specs)
+                                         for r, (_, specs, _) in enumerate(states)))
+        for r, (attrs, specs, arrays) in enumerate(states):
+            current = ckdir / _rank_file(r)
+            files.append(ReservedRankFile(current, attrs, int(counts[r]), width, specs))
+            for name, a in arrays.items():
+                files[-1].put(name, a)
+        current = ckdir
+        rows, moved = _move_rows(reader, new, files)
+        records = []
         for f in files:
-            f.close()
-    records = []
-    for r, tmp in enumerate(tmps):
-        final = tmp.with_suffix("")  # rank-NNNNN.h5
-        os.replace(tmp, final)
-        records.append({"file": final.name, "sha256": file_sha256(final), "bytes": final.stat().st_size,
-                        "rows": writers[r].rows})
-    manifest = _manifest(reader, world_size, records, {
-        "checkpoint": str(reader.path.resolve()), "seq": reader.seq, "world_size": reader.world_size,
-        "buckets_moved": int(np.count_nonzero(old != new)), "rows": rows, "rows_moved": moved})
-    return write_manifest(ckdir / "manifest.json", manifest)  # the completion marker, last
+            current = f.path
+            f.commit()
+            committed.append(f.path)
+            records.append({"file": f.path.name, "sha256": file_sha256(f.path), "bytes": f.path.stat().st_size,
+                            "rows": f.rows})
+        manifest = _manifest(reader, world_size, records, {
+            "checkpoint": str(reader.path.resolve()), "seq": reader.seq, "world_size": reader.world_size,
+            "buckets_moved": int(np.count_nonzero(old != new)), "rows": rows, "rows_moved": moved})
+        current = ckdir / "manifest.json"
+        return write_manifest(ckdir / "manifest.json", manifest)  # the completion marker, last
+    except BaseException as e:
+        for f in files:
+            f.discard()
+        for path in committed:
+            safefile.remove_quietly(path)
+        for d in reversed(made):  # only what this command made, and only when empty
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        if isinstance(e, OSError):  # a full disk: one message naming the file, nothing kept
+            raise ValueError(f"cannot write {current}: {e.strerror or e}; nothing of the resharded checkpoint "
+                             f"was kept: free space there, or choose an --out on a larger disk") from None
+        raise
 
 
-def _move_rows(reader: CheckpointReader, new: np.ndarray, writers: list[RowWriter]) -> tuple[int, int]:
+def _count_rows(reader: CheckpointReader, new: np.ndarray, world_size: int) -> np.ndarray:
+    """Rows each new rank receives (a pass over the source's rows)."""
+    counts = np.zeros(world_size, np.int64)
+    for src_rank in range(reader.world_size):
+        for keys, _, _ in reader.rows(src_rank):
+            counts += np.bincount(owner_of(keys, new), minlength=world_size)
+    return counts
+
+
+def _move_rows(reader: CheckpointReader, new: np.ndarray, writers: list[ReservedRankFile]) -> tuple[int, int]:
     """Every source row to the writer of its new owner; returns (rows, rows that changed rank)."""
     rows = moved = 0
     for src_rank in range(reader.world_size):
@@ -117,18 +156,19 @@ def _move_rows(reader: CheckpointReader, new: np.ndarray, writers: list[RowWrite
     return rows, moved
 
 
-def _write_rank_state(f: h5py.File, reader: CheckpointReader, rank: int, world_size: int,
-                      old: np.ndarray, new: np.ndarray) -> None:
-    f.attrs.update({"format_version": FORMAT_VERSION, "seq": reader.seq, "kind": "base", "rank": rank,
-                    "world_size": world_size, "pass_index": reader.pass_index(0)})
-    g = f.create_group("dense", track_order=True)
-    for name, t in reader.dense(rank if rank < reader.world_size else 0).items():
-        g.create_dataset(name, data=t, track_times=False)
+def _rank_state(reader: CheckpointReader, rank: int, world_size: int, old: np.ndarray,
+                new: np.ndarray) -> tuple[dict[str, Any], dict[str, tuple], dict[str, np.ndarray]]:
+    """New rank ``rank``'s file attributes and arrays besides its rows: (attrs, {name: (shape,
+    dtype)}, {name: array})."""
+    attrs = {"format_version": FORMAT_VERSION, "seq": reader.seq, "kind": "base", "rank": rank,
+             "world_size": world_size, "pass_index": reader.pass_index(0)}
+    arrays = {f"dense/{name}": t for name, t in reader.dense(rank if rank < reader.world_size else 0).items()}
     sources = np.unique(old[new == rank])  # the source ranks whose buckets this rank receives
     sketches = [s for s in (reader.admission(int(o)) for o in sources) if s is not None]
     if sketches:
-        f.create_dataset("admission", data=np.maximum.reduce(sketches), track_times=False)
-    f.create_dataset("bucket_owner", data=new, track_times=False)
+        arrays["admission"] = np.maximum.reduce(sketches)
+    arrays["bucket_owner"] = np.asarray(new, dtype=np.int32)
+    return attrs, {name: (a.shape, a.dtype) for name, a in arrays.items()}, arrays
 
 
 def _manifest(reader: CheckpointReader, world_size: int, files: list[dict], origin: dict) -> dict[str, Any]:

@@ -32,9 +32,10 @@ import h5py
 import numpy as np
 import torch
 
+from hvctr.formats import safefile
 from hvctr.formats.lines import parse_block
 from hvctr.formats.sources import Unit, iter_blocks, open_sources
-from hvctr.checkpoint.format import file_sha256, read_manifest
+from hvctr.checkpoint.format import check_bucket_owner, check_datasets, file_sha256, plain_file, read_manifest
 from hvctr.config import ModelArch, ModelConfig
 from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
@@ -58,9 +59,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     torch.use_deterministic_algorithms(True)
     model = ExportedModel(args.model)
     acc = EvalAccumulator()
-    tmp = args.out + ".tmp" if args.out else ""
-    try:
-        out = open(tmp, "w") if args.out else sys.stdout
+    tmp = ""
+    try:  # a fresh temporary file beside --out (O_EXCL | O_NOFOLLOW): never through a planted link
+        if args.out:
+            fd, tmp = safefile.create_temp(args.out)
+            out = os.fdopen(fd, "w")
+        else:
+            out = sys.stdout
     except OSError as e:
         raise ValueError(f"--out {args.out}: cannot write it: {e.strerror or e}") from None
     try:
@@ -75,8 +80,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     finally:
         if args.out:
             out.close()
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            safefile.remove_quietly(tmp)  # ours (a fresh name); gone already once renamed
     r = acc.result()
     print(f"hvctr score: {r['count']:,} rows  AUC {r['auc']:.4f}  logloss {r['logloss']:.4f}  "
           f"NE {r['ne']:.4f}  COPC {r['copc']:.3f}",
@@ -99,11 +103,7 @@ class ExportedModel:
         if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}, "
                              f"this hvctr reads {FORMAT!r} version {FORMAT_VERSION}")
-        if verify:
-            for rec in m["files"]:
-                f = self.dir / rec["file"]
-                if not f.is_file() or f.stat().st_size != rec["bytes"] or file_sha256(f) != rec["sha256"]:
-                    raise ValueError(f"{f} is missing or does not match its checksum in {path}")
+        self._check_files(m, path, verify)
         self.row_format = m.get("row_format", "float32")  # exports before --rows: float32
         if self.row_format not in ROW_FORMATS:
             raise ValueError(f"{path}: row_format {self.row_format!r} is not one this hvctr reads "
@@ -117,10 +117,60 @@ class ExportedModel:
         self.keys, self.weights = [], []
         for rank in range(m["world_size"]):
             with h5py.File(self.dir / "sparse" / f"rank-{rank:05d}.h5", "r") as f:
+                owner = self._check_sparse(f, rank, m)  # before anything of it is read
                 self.keys.append(f["keys"][...])
                 self.weights.append(self._read_weights(f))
                 if rank == 0:
-                    self.bucket_owner = f["bucket_owner"][...]
+                    self.bucket_owner = owner
+                elif not np.array_equal(owner, self.bucket_owner):
+                    raise ValueError(f"{f.filename}: its bucket table differs from rank 0's: damaged or crafted")
+
+    def _check_files(self, m: dict, path: Path, verify: bool) -> None:
+        """Every file this reader opens is listed in the manifest (dense.h5 and one sparse file
+        a rank), a plain file inside the export (no '..', no absolute path, no link), and
+        (``verify``) of its listed size and sha256. A ValueError naming the file otherwise."""
+        ws = m.get("world_size")
+        if type(ws) is not int or ws < 1:
+            raise ValueError(f"{path}: world_size {ws!r} is not a number of ranks: damaged or crafted")
+        files = m.get("files") if isinstance(m.get("files"), list) else []
+        listed = {rec.get("file"): rec for rec in files if isinstance(rec, dict)}
+        opened = ["dense.h5"] + [f"sparse/rank-{rank:05d}.h5" for rank in range(ws)]
+        for name in opened:
+            if name not in listed:
+                raise ValueError(f"{self.dir / name} is not listed in {path}: damaged or crafted")
+        stray = sorted(str(n) for n in listed if n not in opened)
+        if stray or len(files) != len(opened):
+            raise ValueError(f"{path} lists {stray or 'files twice'} beside the {len(opened)} files of an export "
+                             f"of {ws} ranks: damaged or crafted")
+        self._listed = listed
+        for name in opened:
+            rec, f = listed[name], self.dir / name
+            problem = plain_file(self.dir, name)
+            if problem:
+                raise ValueError(f"{problem} (listed in {path})")
+            if verify and (f.stat().st_size != rec.get("bytes") or file_sha256(f) != rec.get("sha256")):
+                raise ValueError(f"{f} is missing or does not match its checksum in {path}")
+
+    def _check_sparse(self, f: h5py.File, rank: int, m: dict) -> np.ndarray:
+        """Rank ``rank``'s sparse file agrees with the manifest (rank, world size, shapes that
+        fit the file) before its rows are read; returns its bucket table, checked."""
+        ws = m["world_size"]
+        a = f.attrs
+        for key, want in (("rank", rank), ("world_size", ws)):
+            if key in a and int(a[key]) != want:
+                raise ValueError(f"{f.filename}: written with {key} {int(a[key])}, the manifest says {want} "
+                                 f"(world size {ws}): damaged or crafted")
+        problem = check_datasets(f)
+        if problem:
+            raise ValueError(problem)
+        n = f["keys"].shape[0] if "keys" in f and len(f["keys"].shape) == 1 else -1
+        want = {"weights": (n, self.dim + 1), **({"scale_bias": (n, 2)} if self.row_format == "int8" else {})}
+        got = {k: f[k].shape if k in f else None for k in want}
+        listed = self._listed[f"sparse/rank-{rank:05d}.h5"].get("rows")
+        if n < 0 or got != want or "bucket_owner" not in f or (type(listed) is int and listed != n):
+            raise ValueError(f"{f.filename}: datasets of shapes {got} for {n} keys (the manifest lists {listed} "
+                             f"rows), an export of dim {self.dim} has {want} and a bucket table: damaged or crafted")
+        return check_bucket_owner(f["bucket_owner"][...], ws, f.filename)
 
     def _read_weights(self, f: h5py.File) -> np.ndarray:
         """The file's rows as float32 [n, dim + 1], whatever the row format."""
@@ -138,6 +188,12 @@ class ExportedModel:
                           num_fields=mc["num_fields"])
         model = build_model(cfg, self.dim)
         with h5py.File(self.dir / "dense.h5", "r") as f:
+            problem = check_datasets(f)
+            want = {name: tuple(p.shape) for name, p in model.named_parameters()}
+            got = {name: f[name].shape if isinstance(f.get(name), h5py.Dataset) else None for name in m["dense"]}
+            if problem or got != want:
+                raise ValueError(problem or f"{f.filename}: dense tensors {got}, the manifest's model has {want}: "
+                                 f"damaged or crafted")
             state = {name: torch.from_numpy(f[name][...]) for name in m["dense"]}
         model.load_state_dict(state, strict=True)
         return model.eval()

@@ -19,11 +19,11 @@ assumptions. Every rate is per rank unless its name says per node.
 from __future__ import annotations
 
 import dataclasses
-import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from hvctr.formats import safefile
 from hvctr.formats.tomlfile import read_toml
 
 # field -> what it measures (written as a comment next to each value)
@@ -150,6 +150,4 @@ def write_rates(rf: RatesFile, path: str | Path, header: list[str] = ()) -> None
     path.parent.mkdir(parents=True, exist_ok=True)
     text = rates_to_toml(rf, list(header))
     tomllib.loads(text)  # never write a file we cannot read
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    safefile.write_text(path, text)  # a fresh temporary file, then renamed: never through a planted link

@@ -64,7 +64,8 @@ from pathlib import Path
 from typing import Any
 
 from hvctr.config import Config, load_config, write_toml
-from hvctr.log import RankFormatter, get_logger
+from hvctr.formats import safefile
+from hvctr.log import RankFormatter, _LogFile, get_logger
 from hvctr.distributed.world import AgreedError, group_errors, raise_agreed
 from hvctr.train.stop import StopRequest
 
@@ -174,7 +175,7 @@ def _setup_logging(world, run_dir: Path, all_ranks: bool) -> list[logging.Handle
     console.addFilter(_ConsoleFilter(world, all_ranks))
     handlers: list[logging.Handler] = [console]
     for r in range(world.size):
-        fh = logging.FileHandler(run_dir / "logs" / f"rank-{r:05d}.log")
+        fh = _LogFile(run_dir / "logs" / f"rank-{r:05d}.log", safefile.open_append)  # a planted link: refused
         fh.setFormatter(fmt)
         fh.addFilter(_RankFilter(world, r))
         handlers.append(fh)
@@ -274,7 +275,8 @@ def _device(cfg: Config) -> str:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from hvctr.train.cmd import _write_json, format_summary
+    from hvctr.rundir import write_json
+    from hvctr.train.cmd import format_summary
 
     stop = StopRequest().install()
     if args.ranks < 1:
@@ -284,7 +286,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     summary, stopped = simulate(cfg, args.ranks, resume=args.resume, init_from=args.init_from, threads=args.threads,
                                 reduce_order=args.reduce_order, stop=stop)
     run_dir = Path(cfg.train.run_dir)
-    _write_json(run_dir / "summary.json", summary)
+    write_json(run_dir / "summary.json", summary, "the run summary")
     log.info(format_summary(summary))
     sim, ev = summary["simulate"], summary.get("eval", {})
     line = {"ranks": args.ranks, "run_dir": str(run_dir), "auc": ev.get("auc"), "logloss": ev.get("logloss"),

@@ -57,6 +57,7 @@ import h5py
 import numpy as np
 
 from hvctr.formats import EMPTY_KEY, NUM_BUCKETS, RowLayout, mix64
+from hvctr.formats import safefile
 from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
 from hvctr.formats.space import check_free_space
 from hvctr.kernels import diskio, native
@@ -314,13 +315,13 @@ class Shard:
         bucket_owner = np.asarray(bucket_owner, dtype=np.int32)
         if bucket_owner.shape != (NUM_BUCKETS,):
             raise ValueError(f"bucket table must have {NUM_BUCKETS} entries, got {bucket_owner.shape}")
-        tmp = path + ".tmp"
+        tmp = str(safefile.temp_name(path))  # a fresh name, created exclusively: never a planted link
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         need = num_slots * INDEX_DTYPE.itemsize + capacity * (layout.row_bytes + META_DTYPE.itemsize)
         try:
             check_free_space(directory, need)
-            with h5py.File(tmp, "w", libver="earliest", track_order=False,
+            with h5py.File(tmp, "x", libver="earliest", track_order=False,
                            alignment_threshold=BLOCK_BYTES, alignment_interval=BLOCK_BYTES) as f:
                 a = f.attrs
                 a["format_version"] = FORMAT_VERSION

@@ -22,6 +22,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from hvctr.formats import safefile
 from hvctr.config import load_config, to_toml
 from hvctr.sweep.space import space_from_dict
 from hvctr.sweep.study import StudyDir
@@ -162,8 +163,6 @@ def run_best(args: argparse.Namespace) -> int:
               f"#   HVCTR_CONFIG={args.out} HVCTR_DATA=/path/to/full/shards sbatch slurm/train.sbatch\n")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(header + to_toml(cfg))
-    tmp.replace(out)
+    safefile.write_text(out, header + to_toml(cfg))  # a fresh temporary file: never through a planted link
     print(f"hvctr sweep best: trial {best.number} (AUC {best.value:.4f}) -> {out}")
     return 0

@@ -38,6 +38,7 @@ import optuna
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
+from hvctr.formats import safefile
 from hvctr.rundir import pid_alive
 
 STUDY_NAME = "hvctr-sweep"
@@ -136,9 +137,8 @@ class StudyDir:
                 return have
             if not settings:
                 raise ValueError(f"{self.path} holds no study yet: the first worker needs --space")
-            tmp = f.with_name(f.name + ".tmp")
-            tmp.write_text(json.dumps(settings, indent=1))  # key order kept: the space's order is the report's
-            os.replace(tmp, f)
+            # key order kept: the space's order is the report's; a fresh temporary file, then renamed
+            safefile.write_text(f, json.dumps(settings, indent=1))
             return settings
 
     def storage(self) -> JournalStorage:
@@ -163,10 +163,8 @@ class Lease:
     def __init__(self, run_dir: Path, trial_number: int, beat_s: float) -> None:
         self.path = run_dir / "lease.json"
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name("lease.json.tmp")
-        tmp.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "trial": trial_number,
-                                   "since": time.time()}))
-        os.replace(tmp, self.path)
+        safefile.write_text(self.path, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                   "trial": trial_number, "since": time.time()}))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(beat_s,), daemon=True, name="sweep-lease")
         self._thread.start()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from hvctr.formats import safefile
 from hvctr.formats.tomlfile import read_toml
 
 UNKNOWN = -1
@@ -263,6 +264,4 @@ def write_map(hwmap: HardwareMap, path: str | Path, header: Iterable[str] = ()) 
     path = Path(path)
     text = to_toml(hwmap, header)
     map_from_dict(tomllib.loads(text), f"{path} (as written)")  # never write a map we cannot read
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    safefile.write_text(path, text)  # a fresh temporary file, then renamed: never through a planted link

@@ -83,7 +83,10 @@ def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device
     # creates it and prints; the others' errors (often the same, or caused by it) go to their logs
     start = comm.broadcast_object(f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}", root=0, name="error_gate")
     set_error_gate(run_dir / "logs" / f"error-{start}.txt")
-    setup_logging(comm.rank, comm.size, cfg.metrics.all_ranks, file=str(run_dir / "logs" / f"rank-{comm.rank:05d}.log"))
+    from hvctr.formats.safefile import open_append  # O_NOFOLLOW: a link planted at the log is refused
+
+    setup_logging(comm.rank, comm.size, cfg.metrics.all_ranks, file=str(run_dir / "logs" / f"rank-{comm.rank:05d}.log"),
+                  open_file=open_append)
     from hvctr.topo.bind import apply_placement, binding_report, format_binding_table
 
     if cublas_note:
@@ -150,7 +153,7 @@ def _train(args: argparse.Namespace, checked: Checked, stop: StopRequest) -> int
     if checked.sizing:
         log.info(checked.sizing)
     trainer = Trainer(cfg, comm, device, run_dir, resume=args.resume, init_from=args.init_from, stop=stop,
-                      ssd_dir=ssd_dir)
+                      ssd_dir=ssd_dir, guard=checked.lock.check_in_place if checked.lock is not None else None)
     log.info(f"working shards: {trainer.shard_dir} (rank 0; from {trainer.shard_dir_source}; "
              f"storage.shard_dir, else the hardware map's SSD, else $SLURM_TMPDIR / $TMPDIR, else the run "
              f"directory{'; scratch: removed at exit' if trainer.shard_scratch else ''})")

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from hvctr.formats import safefile
 from hvctr.log import get_logger
 
 log = get_logger(__name__)
@@ -52,7 +53,8 @@ class Meter:
         self.global_batch = batch_size_per_rank * world_size
         self._path = metrics_path
         try:
-            self._file = open(metrics_path, "a") if metrics_path is not None and rank == 0 else None
+            # O_NOFOLLOW: a link planted at metrics.jsonl is refused, naming it (a ValueError)
+            self._file = safefile.open_append(metrics_path) if metrics_path is not None and rank == 0 else None
         except OSError as e:
             raise ValueError(f"cannot open the run's metrics file {metrics_path}: {e.strerror or e}") from None
         self._t_start = time.perf_counter()

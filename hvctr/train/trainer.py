@@ -22,7 +22,7 @@ import contextlib
 import functools
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -59,7 +59,10 @@ STOP, CHECKPOINT = 0, 1  # indices of the control flags carried by the merge
 
 class Trainer:
     def __init__(self, cfg: Config, comm: Comm, device: torch.device, run_dir: Path, resume: bool,
-                 init_from: str | None = None, stop: StopRequest | None = None, ssd_dir: str = "") -> None:
+                 init_from: str | None = None, stop: StopRequest | None = None, ssd_dir: str = "",
+                 guard: Callable[[], None] | None = None) -> None:
+        """``guard``: checked before each checkpoint (rank 0's RunLock.check_in_place: the run
+        directory deleted or moved mid-run stops every rank there, CheckpointManager)."""
         self.cfg, self.comm, self.device, self.run_dir = cfg, comm, device, run_dir
         if cfg.storage.rows_per_rank == 0:  # hvctr train's preflight sized it; other callers size it here
             from hvctr.train.preflight import size_shard
@@ -79,7 +82,7 @@ class Trainer:
                                           eps=self.lr.eps)
         self.data = TrainData(cfg.data, comm, run_dir=run_dir)
         self.ckpt = CheckpointManager(cfg.checkpoint.dir or run_dir / "checkpoints", comm,
-                                      cfg.checkpoint.keep, cfg.checkpoint.compact_every)
+                                      cfg.checkpoint.keep, cfg.checkpoint.compact_every, guard=guard)
         start = self._find_start(resume, init_from)
         # The bucket table travels with the checkpoint (hvctr reshard rewrites it); a fresh
         # model deals the buckets round robin.

@@ -272,7 +272,7 @@ def _stop_inside_a_checkpoint_write(p: subprocess.Popen, ckdir: Path) -> int | N
         if (here / "manifest.json").exists():
             seq += 1  # missed that one: it completed between two looks
             continue
-        if any((here / f"rank-{r:05d}.h5.tmp").exists() for r in (0, 1)):
+        if any(any(here.glob(f"rank-{r:05d}.h5.*.tmp")) for r in (0, 1)):  # a fresh temporary name (safefile)
             send(signal.SIGSTOP)
             if not (here / "manifest.json").exists():
                 return seq

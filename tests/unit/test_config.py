@@ -66,3 +66,34 @@ def test_replace_keeps_validation():
     assert cfg.merge.every_k_steps == 16
     with pytest.raises(ValueError, match="every_k_steps"):
         replace(cfg, merge={"every_k_steps": -1})
+
+
+@pytest.mark.parametrize("flag,needle", [
+    ("--storage.init_scale=nan", "must be a finite number"),
+    ("--storage.init_scale=-1", "must be >= 0"),
+    ("--storage.init_scale=inf", "must be a finite number"),
+    ("--train.dense_lr=inf", "must be a finite number"),
+    ("--train.sparse_lr=-inf", "must be a finite number"),
+    ("--train.eps=inf", "must be a finite number"),
+    ("--merge.outer_lr=inf", "must be a finite number"),
+    ("--train.queue_timeout_s=nan", "must be a finite number"),
+    ("--train.queue_timeout_s=0", "must be > 0"),
+    ("--train.stall_timeout_s=inf", "must be a finite number"),
+])
+def test_every_float_key_is_finite_and_in_range(flag, needle):
+    """nan, inf or a negative scale trained to loss nan with rc 0 (issue 28, item 7)."""
+    key = flag[2:].split("=")[0]
+    with pytest.raises(ValueError, match=rf"config key '{key}': {needle}"):
+        load_config(None, [flag])
+
+
+def test_no_float_key_escapes_the_finite_check():
+    import dataclasses
+    import typing
+
+    from hvctr.config import Config
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory):
+            if typing.get_type_hints(section.default_factory)[f.name] is float:
+                with pytest.raises(ValueError, match=rf"config key '{section.name}.{f.name}': must be a finite"):
+                    load_config(None, [f"--{section.name}.{f.name}=nan"])

@@ -59,7 +59,7 @@ def test_insert_lookup_write_read_round_trip(tmp_path):
     meta = shard.read_meta(0, 10_000)
     np.testing.assert_array_equal(meta["key"][pos], keys)
     shard.close()
-    assert not os.path.exists(str(path) + ".tmp")
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
 
 
 @pytest.mark.parametrize("copy_on_write", [False, True])
