@@ -24,17 +24,15 @@ other difference (learning rates, log cadence, epochs, cache sizes) is listed as
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import stat
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hvctr.formats.dirlock import DirLock, describe_holder, pid_alive  # noqa: F401 (hvctr.sweep imports pid_alive)
+from hvctr.formats.dirlock import DirLock
 
 if TYPE_CHECKING:
     from hvctr.config import Config

@@ -39,7 +39,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
 from hvctr.formats import safefile
-from hvctr.rundir import pid_alive
+from hvctr.formats.dirlock import pid_alive
 
 STUDY_NAME = "hvctr-sweep"
 SETTINGS = "study.json"

@@ -14,7 +14,6 @@ write_toml): a 2-rank checkpoint of a tiny model, no training job.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
