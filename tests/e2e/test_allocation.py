@@ -101,7 +101,7 @@ def test_data_verified_once_per_data_set(dataset, tmp_path):
     stamp.unlink(missing_ok=True)
     line = _checked(hvctr_train(tmp_path / "a", dataset, env).stdout)
     assert "6 of 6 train shard files checked" in line and "no stamp yet" in line and str(stamp) in line
-    assert stamp.is_file() and not list(dataset.glob(".*tmp"))
+    assert stamp.is_file() and not list(dataset.glob("*.tmp"))
 
     # a requeued start (same run directory, --resume) hashes nothing
     r = hvctr_train(tmp_path / "a", dataset, env, "--train.max_steps=6", "--resume")

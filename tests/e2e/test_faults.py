@@ -255,7 +255,7 @@ def test_rank_sigkill_ends_job_and_resume_is_exact(killed_rank, resumed, referen
 
 def _stop_inside_a_checkpoint_write(p: subprocess.Popen, ckdir: Path) -> int | None:
     """Freezes the job (SIGSTOP to mpirun and the ranks) at a moment a rank file of checkpoint
-    >= 1 is still a .tmp and that checkpoint has no manifest; returns its number (None if the
+    >= 1 is still a temporary file (rank-NNNNN.h5.<random>.tmp) and that checkpoint has no manifest; returns its number (None if the
     job ended first). Killed while frozen, the job dies inside that write."""
     pids: list[int] = []
     while len(pids) < 3 and p.poll() is None:  # mpirun and 2 ranks, looked up once: signals must be quick
