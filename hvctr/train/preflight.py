@@ -334,13 +334,26 @@ def available_memory(meminfo: str = "/proc/meminfo", cgroup: str | None = None) 
     return avail, source
 
 
-RANK_MEMORY_BESIDE_CACHE = 512 << 20  # a rank's own memory beside its cache: torch, a window's working set and its copies
+RANK_BASE_MEMORY = 320 << 20  # a rank's own memory before its window: torch, the model, buffers
+WINDOW_ROW_COPIES = 8  # copies of a window's rows a rank holds at once (pull and push messages, owner side, grads)
+
+
+def rank_memory_beside_cache(cfg: Config) -> int:
+    """About what a rank needs beside storage.cpu_cache_bytes: RANK_BASE_MEMORY plus its window's
+    rows (k batches, about half their keys unique, at most storage.max_working_set_rows) in
+    WINDOW_ROW_COPIES copies. Measured: 1.0-1.25 GiB a rank at k = 8, batch 4096, 26 fields, dim 16
+    (BENCHMARKS.md, "A table larger than memory"); this gives 1.0 GiB."""
+    from hvctr.formats import RowLayout
+
+    rows = min(cfg.storage.max_working_set_rows,
+               cfg.merge.every_k_steps * cfg.data.batch_size_per_rank * cfg.model.num_fields // 2)
+    return RANK_BASE_MEMORY + WINDOW_ROW_COPIES * RowLayout(cfg.storage.dim).row_bytes * rows
 
 
 def check_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> list[str]:
     """ValueError naming storage.cpu_cache_bytes when the CPU caches of the node's ranks
     (each allocates its budget at start) exceed the memory available to them. Returns a warning
-    where a memory cgroup's limit leaves a rank less than RANK_MEMORY_BESIDE_CACHE beside its
+    where a memory cgroup's limit leaves a rank less than rank_memory_beside_cache() beside its
     cache (its processes, not the table, would be OOM-killed: the shard's page cache is clean
     and reclaimable)."""
     env = os.environ if env is None else env
@@ -353,10 +366,12 @@ def check_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: 
                          f"{local_ranks} rank(s) on this node = {need / 2**30:,.2f} GiB, but only "
                          f"{avail / 2**30:,.2f} GiB are available ({source}); set it to at most about "
                          f"{per_rank:,} (3/4 of the available memory over the node's ranks)")
-    if avail >= 0 and "cgroup" in source and avail - need < local_ranks * RANK_MEMORY_BESIDE_CACHE:
+    beside = rank_memory_beside_cache(cfg)
+    if avail >= 0 and "cgroup" in source and avail - need < local_ranks * beside:
         left = (avail - need) / local_ranks
         return [f"memory: {source.split(' less ')[0]} leaves {left / 2**20:,.0f} MiB per rank beside "
                 f"storage.cpu_cache_bytes ({local_ranks} rank(s) on this node); a rank needs about "
-                f"{RANK_MEMORY_BESIDE_CACHE >> 20} MiB of its own (torch, a window's working set): it may be OOM-killed. "
+                f"{beside >> 20:,} MiB of its own (torch, a window of merge.every_k_steps batches): it may be "
+                f"OOM-killed. "
                 f"Give the job more memory (--mem) or lower storage.cpu_cache_bytes"]
     return []

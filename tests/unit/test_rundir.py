@@ -296,9 +296,9 @@ def test_a_cache_larger_than_available_memory_is_named(datasets, tmp_path):
                                     f"total_cache {1 << 29}\ntotal_rss {1 << 29}\ntotal_dirty {1 << 28}\n")
     with pytest.raises(ValueError, match=r"only 1.25 GiB are available \(the memory cgroup's limit .*v1/memory.limit_in_bytes"):
         check_memory(cfg, env={}, meminfo=str(meminfo), cgroup=str(v1))
-    small = _cfg(tmp_path / "run", a, "--storage.cpu_cache_bytes=1000000000")  # 0.93 GiB of 1.25: fits, barely
+    small = _cfg(tmp_path / "run", a, "--storage.cpu_cache_bytes=1150000000")  # 1.07 GiB of 1.25: fits, barely
     [note] = check_memory(small, env={}, meminfo=str(meminfo), cgroup=str(v1))
-    assert note.startswith("memory: the memory cgroup's limit ") and "leaves 326 MiB per rank beside " \
+    assert note.startswith("memory: the memory cgroup's limit ") and "leaves 183 MiB per rank beside " \
         "storage.cpu_cache_bytes (1 rank(s) on this node)" in note and "OOM-killed" in note
     assert check_memory(small, env={}, meminfo=str(meminfo), cgroup="") == []  # no cgroup: MemAvailable alone
 
