@@ -280,6 +280,7 @@ class Shard:
         self.generation = int(state["generation"])
         self.pass_index = int(state["pass_index"])
         self.was_clean = bool(state["clean"])  # False: the last writer did not close it
+        self.bytes_read = self.bytes_written = 0
         self.key_filter: KeyFilter | None = None
         self._pending_cap = min(self.capacity, _PENDING_MAX,
                                 max(self.num_slots // SLOTS_PER_BLOCK * _PENDING_PER_BLOCK, 4096))
@@ -289,9 +290,10 @@ class Shard:
         if self.io == "pread":
             self.key_filter = KeyFilter(self.capacity)
             for start in range(0, self.n_rows, 1 << 20):
-                self.key_filter.add(self.read_meta(start, start + (1 << 20))["key"])
-        self.bytes_read = 0
-        self.bytes_written = 0
+                meta = self.read_meta(start, start + (1 << 20))
+                self.key_filter.add(meta["key"])
+                if writable and not self.was_clean:  # a writer died with index entries still in memory
+                    self._reindex(meta["key"], start + np.arange(meta.shape[0], dtype=np.int64))
         if writable:
             self.save_state(clean=False)
 
@@ -502,6 +504,12 @@ class Shard:
                 todo = todo[nt >= 0]
             result[idx] = res
         return result
+
+    def _reindex(self, keys: np.ndarray, pos: np.ndarray) -> None:
+        """Index entries for rows whose keys the file's index lacks (pread path, after a crash)."""
+        missing = np.flatnonzero(self._probe_blocks(keys) < 0)
+        if missing.size:
+            self._probe_blocks(keys[missing], pos[missing])
 
     def flush_index(self) -> None:
         """Writes the index entries waiting in memory (pread path) into the file's index."""

@@ -292,3 +292,22 @@ def test_the_key_filter_skips_index_reads_of_new_keys_and_never_hides_a_stored_o
     np.testing.assert_array_equal(reopened.lookup(keys[:30_000]), pos)
     assert (reopened.lookup(fresh) == -1).all()
     reopened.close()
+
+
+def test_a_writer_killed_with_entries_in_memory_leaves_a_shard_that_reopens_whole(tmp_path, io_path):
+    # The pread path keeps new index entries in memory until a flush; a writer that dies first
+    # leaves rows in row_meta that the file's index lacks: reopening it for writing indexes them.
+    if io_path == "mmap":
+        pytest.skip("the pread path's insert buffer")
+    path = tmp_path / "s.h5"
+    shard = _create(path, capacity=5000)
+    keys = _keys(3000, seed=21)
+    pos = shard.insert(keys)
+    shard.save_state()  # what a checkpoint's flush leaves; then the process dies (no close)
+    os.close(shard._fd)
+    shard._fd = -1
+    reopened = _open(path)
+    assert not reopened.was_clean
+    np.testing.assert_array_equal(reopened.lookup(keys), pos)
+    reopened.close()
+    np.testing.assert_array_equal(_open(path, writable=False).lookup(keys), pos)
