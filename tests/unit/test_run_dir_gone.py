@@ -21,33 +21,10 @@ from hvctr.checkpoint.manager import CheckpointManager
 from hvctr.config import StorageConfig
 from hvctr.distributed.world import AgreedError
 from hvctr.rundir import RunLock
-from hvctr.sim.comm import ThreadComm, ThreadWorld
 from hvctr.storage import EmbeddingStore
+from tests.unit.test_sim_comm import run_ranks
 
 DENSE = {"param.000": torch.ones(3), "adam_step": torch.tensor([1.0])}
-
-
-def run_ranks(size, fn, timeout=60):
-    world = ThreadWorld(size)
-    results, errors = [None] * size, [None] * size
-
-    def main(rank):
-        exc = None
-        try:
-            world.enter(rank)
-            results[rank] = fn(ThreadComm(world, rank))
-        except BaseException as e:
-            exc = errors[rank] = e
-        finally:
-            world.finish(rank, exc)
-
-    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a simulated rank hangs"
-    return results, errors
 
 
 def _delete(run_dir):
@@ -96,7 +73,7 @@ def test_a_run_directory_gone_mid_run_stops_every_rank_at_the_next_checkpoint(tm
             store.close()
 
     try:
-        errors, failed = run_ranks(2, rank)
+        errors, failed, _ = run_ranks(2, rank, timeout=60)
     finally:
         lock.release()
     assert went.is_set()
