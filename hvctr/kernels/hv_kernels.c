@@ -343,7 +343,6 @@ void hv_sum_rows_ld(const int64_t *inverse, int64_t n, const float *grad, int64_
 #define HV_IO_MAX_RUN (256LL * 1024)
 #define HV_IO_MAX_THREADS 256
 #define HV_IO_WRITE_BEHIND 1
-#define HV_IO_DROP_BEHIND 2
 
 typedef struct { int64_t first, count, lo, hi; } hv_io_run;
 
@@ -460,7 +459,6 @@ static int64_t io_do_run(hv_io_job *jb, const hv_io_run *r, char **scratch, int6
             const int64_t i = r->first + k;
             memcpy(jb->buf + i * ib, *scratch + (jb->base + jb->pos[i] * ib - r->lo), (size_t)ib);
         }
-        if (jb->flags & HV_IO_DROP_BEHIND) posix_fadvise(jb->fd, r->lo, span, POSIX_FADV_DONTNEED);
         __atomic_fetch_add(&jb->bytes, span, __ATOMIC_RELAXED);
         return 0;
     }
