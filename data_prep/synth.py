@@ -13,7 +13,12 @@ The hidden model (all of it a function of --seed):
   + dense effects beta_j * (log1p(x_j) - mu_j) / s_j (missing has its own)
   + 10 pairwise categorical interactions <e_a(v_a), e_b(v_b)> / 2 with 4-dim value embeddings
   + 2 products of dense fields); a value's effect and embedding are weighted
-  1 / (1 + rank / 50), so rare values carry less of the signal (see _tail_weight).
+  S + (1 - S) / (1 + rank / 50), S = --tail-signal: at 0 (the default) rare values carry
+  little of the signal, at 1 every value's effect has full weight whatever its frequency
+  (see _tail_weight).
+- --shape loguniform: a structurally different table, for results that must hold on more than
+  one data set: vocabularies log-uniform from 10 to 2M values per field (not Criteo's), Zipf
+  exponents 1.05..1.2 (flatter: more of the rows fall in the tail) and 8 interaction pairs.
   Per-value effects and embeddings are hashed from (seed, field, value): no table, so memory
   does not grow with the vocabularies. The scale and bias are set on a calibration sample so
   that the Bayes-optimal AUC is --target-auc (0.80) and the positive rate --positive-rate (0.25).
@@ -56,6 +61,10 @@ _M32 = np.uint64(0xFFFFFFFF)
 _EMB_SHIFTS = np.arange(0, 64, 16, dtype=np.uint64)
 _LOGIT_RANGE = 16.0
 TAIL_RANK = 50  # value effects shrink past this frequency rank (see _tail_weight)
+SHAPES = ("criteo", "loguniform")  # --shape: the tables' vocabularies, skews and interactions
+LOGUNIFORM_VOCAB = (10, 2_000_000)
+LOGUNIFORM_ZIPF = (1.05, 1.2)
+LOGUNIFORM_PAIRS = 8
 
 
 @dataclass(frozen=True)
@@ -83,20 +92,27 @@ class Model:
     day: int = 0  # the value effects' day (see _value_effects)
     drift: float = 0.0  # fraction of each value effect's variance renewed per day
     unique_fields: int = 0  # the last this many fields carry a value unique to the row (an id), no signal
+    tail_signal: float = 0.0  # S of _tail_weight: 0 rare values carry little signal, 1 full weight
+    shape: str = "criteo"
 
 
 @functools.lru_cache(maxsize=4)
 def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25,
-                day: int = 0, drift: float = 0.0, unique_fields: int = 0) -> Model:
+                day: int = 0, drift: float = 0.0, unique_fields: int = 0, tail_signal: float = 0.0,
+                shape: str = "criteo") -> Model:
     """The hidden model of a seed (on a day), scaled and shifted to the target AUC and positive
     rate (cached: a Model is immutable and costs about a second to calibrate)."""
     if day < 0 or not 0.0 <= drift <= 1.0:
         raise ValueError(f"--day must be >= 0 and --drift in [0, 1], got {day} and {drift}")
     if not 0 <= unique_fields <= NUM_FIELDS:
         raise ValueError(f"--unique-fields must be in [0, {NUM_FIELDS}], got {unique_fields}")
+    if not 0.0 <= tail_signal <= 1.0:
+        raise ValueError(f"--tail-signal must be in [0, 1], got {tail_signal}")
+    if shape not in SHAPES:
+        raise ValueError(f"--shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     rng = np.random.default_rng([seed, 0])
     m = Model(
-        seed=seed, day=day, drift=drift, unique_fields=unique_fields,
+        seed=seed, day=day, drift=drift, unique_fields=unique_fields, tail_signal=tail_signal, shape=shape,
         vocab=np.maximum(np.array(CRITEO_VOCAB, dtype=np.int64), 10),
         zipf_a=rng.uniform(1.05, 1.4, NUM_FIELDS), zipf_q=rng.uniform(1.0, 20.0, NUM_FIELDS),
         cat_missing=np.array(CAT_MISSING), cat_scale=np.exp(rng.uniform(np.log(0.2), np.log(1.0), NUM_FIELDS)),
@@ -110,6 +126,12 @@ def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25
         dense_pair_scale=rng.normal(0.0, 0.25, NUM_DENSE_PAIRS),
         pair_fields=np.zeros(0, dtype=np.int64), pair_index=np.zeros((0, 2), dtype=np.int64),
     )
+    if shape == "loguniform":  # its own stream: the criteo shape's draws above stay as they were
+        alt = np.random.default_rng([seed, 5])
+        lo, hi = np.log(LOGUNIFORM_VOCAB[0]), np.log(LOGUNIFORM_VOCAB[1])
+        m = Model(**{**m.__dict__, "vocab": np.exp(alt.uniform(lo, hi, NUM_FIELDS)).astype(np.int64),
+                     "zipf_a": alt.uniform(*LOGUNIFORM_ZIPF, NUM_FIELDS),
+                     "pairs": m.pairs[:LOGUNIFORM_PAIRS], "pair_scale": m.pair_scale[:LOGUNIFORM_PAIRS]})
     fields = np.unique(m.pairs)
     m = Model(**{**m.__dict__, "pair_fields": fields, "pair_index": np.searchsorted(fields, m.pairs)})
     z = np.concatenate([_draw(m, rng_for(seed, i, stream=2), CHUNK_ROWS)[-1]
@@ -168,7 +190,7 @@ def _draw(m: Model, rng: np.random.Generator, n: int, first_row: int = 0):
     ints[neg, 1] = -rng.integers(1, 4, neg.size)
     dmiss = rng.random((n, NUM_DENSE)) < m.dense_missing
 
-    weight = _tail_weight(ids)
+    weight = _tail_weight(ids, m.tail_signal)
     if m.unique_fields:
         u0 = NUM_FIELDS - m.unique_fields
         ids[:, u0:] = (first_row + np.arange(n, dtype=np.int64))[:, None]
@@ -186,12 +208,15 @@ def _draw(m: Model, rng: np.random.Generator, n: int, first_row: int = 0):
     return ids, ints, dmiss, logit
 
 
-def _tail_weight(ids: np.ndarray) -> np.ndarray:
-    """Weight of each value's effect: 1 / (1 + rank / TAIL_RANK) (rank 0 the most frequent;
-    missing counts as frequent). With equal weights most of the signal would sit in values a
-    data set shows a handful of times, and no model trained on it could approach the Bayes AUC;
-    real click logs, too, carry their reliable signal in the values seen often."""
-    return 1.0 / (1.0 + np.maximum(ids, 0) * (1.0 / TAIL_RANK))
+def _tail_weight(ids: np.ndarray, tail_signal: float = 0.0) -> np.ndarray:
+    """Weight of each value's effect: S + (1 - S) / (1 + rank / TAIL_RANK), S = ``tail_signal``
+    (rank 0 the most frequent; missing counts as frequent). At S = 0 (the default) rare values
+    carry little: most of the signal sits in values seen often, and a model can approach the
+    Bayes AUC. At S = 1 every value has full weight, as in a log whose long tail carries signal
+    (which is why its tables are terabytes): much of the signal then sits in values a data set
+    shows a handful of times, and what a trainer does with rarely-touched rows decides the AUC."""
+    w = 1.0 / (1.0 + np.maximum(ids, 0) * (1.0 / TAIL_RANK))
+    return w if tail_signal == 0.0 else tail_signal + (1.0 - tail_signal) * w
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -349,14 +374,14 @@ class Scores:
 
 def generate(rows: int, seed: int, out: str, truth_out: str | None = None,
              target_auc: float = 0.80, positive_rate: float = 0.25, day: int = 0, drift: float = 0.0,
-             unique_fields: int = 0) -> dict:
+             unique_fields: int = 0, tail_signal: float = 0.0, shape: str = "criteo") -> dict:
     """Writes the TSV (and the truth file); returns the model's and the file's scores."""
     if rows < 1:
         raise ValueError(f"--rows must be >= 1, got {rows}")
     t0 = time.monotonic()
     if rows >= 1 << 32 and unique_fields:
         raise ValueError(f"--unique-fields: ids are 32-bit, so at most {(1 << 32) - 1:,} rows, got {rows:,}")
-    model = build_model(seed, target_auc, positive_rate, day, drift, unique_fields)
+    model = build_model(seed, target_auc, positive_rate, day, drift, unique_fields, tail_signal, shape)
     scores = Scores()
     outs = [(out, out + ".tmp")] + ([(truth_out, truth_out + ".tmp")] if truth_out else [])
     try:
@@ -376,7 +401,8 @@ def generate(rows: int, seed: int, out: str, truth_out: str | None = None,
         os.replace(tmp, final)
     return {"rows": rows, "seed": seed, "seconds": time.monotonic() - t0,
             "model": {"scale": model.scale, "bias": model.bias, "target_auc": target_auc,
-                      "positive_rate": positive_rate, "day": day, "drift": drift, "unique_fields": unique_fields},
+                      "positive_rate": positive_rate, "day": day, "drift": drift, "unique_fields": unique_fields,
+                      "tail_signal": tail_signal, "shape": shape},
             **scores.result()}
 
 
@@ -406,12 +432,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the table's size knob: the last U categorical fields hold a value unique to each row "
                         "(an id: U new keys a row, U x rows keys in all) that carries no signal; 0 (default): "
                         "every field from the click model")
+    p.add_argument("--tail-signal", type=float, default=0.0, metavar="S",
+                   help="how much of the signal rare values carry: a value's effect is weighted "
+                        "S + (1 - S) / (1 + rank / 50); 0 (default): rare values carry little, 1: full weight "
+                        "whatever the value's frequency (a long tail that carries signal)")
+    p.add_argument("--shape", choices=SHAPES, default="criteo",
+                   help="criteo (default): Criteo's vocabularies, Zipf 1.05..1.4, 10 interaction pairs; "
+                        "loguniform: vocabularies log-uniform 10..2M, Zipf 1.05..1.2, 8 pairs (a second, "
+                        "structurally different data set)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         r = generate(args.rows, args.seed, args.out, args.truth_out, args.target_auc, args.positive_rate,
-                     args.day, args.drift, args.unique_fields)
+                     args.day, args.drift, args.unique_fields, args.tail_signal, args.shape)
     except ValueError as e:
         print(f"data_prep synth: error: {e}", file=sys.stderr)
         return 2
