@@ -45,6 +45,17 @@ def parse_rules(text: str) -> dict[str, list[str]]:
     return rules
 
 
+def with_seeds(rules: dict[str, list[str]], seeds: list[int]) -> dict[str, list[str]]:
+    """Each rule once per seed: the first seed keeps the rule's name, the others are name+seedS."""
+    if not seeds:
+        return rules
+    out = {}
+    for name, flags in rules.items():
+        for i, seed in enumerate(seeds):
+            out[name if i == 0 else f"{name}+seed{seed}"] = [*flags, f"--train.seed={seed}"]
+    return out
+
+
 def mode_flags(mode: str) -> list[str]:
     return ["--merge.mode=sync"] if mode == "sync" else ["--merge.mode=kstep", f"--merge.every_k_steps={int(mode)}"]
 
@@ -226,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=0,
                    help="data.global_batch_size: the global batch fixed at every W (each rank G / W rows); "
                         "replaces --batch")
+    p.add_argument("--seeds", default="",
+                   help="comma-separated train.seed values: every rule runs once per seed (named rule+seedS past the "
+                        "first), so that a rule's effect can be told from a seed's; default: the config's seed only")
     p.add_argument("--real", default="", help="rank counts to also run as real mpirun jobs, e.g. 2,4,8")
     p.add_argument("--threads", type=int, default=max(1, len(os.sched_getaffinity(0))))
     p.add_argument("--work-dir", required=True)
@@ -236,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     store = work / "accuracy.json"
     results: dict[str, dict] = json.loads(store.read_text()) if store.exists() else {}
-    rules = parse_rules(args.rules)
+    rules = with_seeds(parse_rules(args.rules), [int(x) for x in filter(None, args.seeds.split(","))])
     plan = [(how, data, rule, mode, w)
             for data in args.data.split(",") for rule in rules for mode in args.modes.split(",")
             for how, ranks in (("sim", args.ranks), ("real", args.real)) for w in map(int, filter(None, ranks.split(",")))]
