@@ -49,6 +49,7 @@ class SparseRule(str, enum.Enum):
     AVERAGE = "average"  # an owner keeps the mean of the contributors' copies of a row
     SUM = "sum"  # old + the sum of the contributors' moves
     SQRT = "sqrt"  # old + sqrt(contributors) x their mean move
+    MATCHED = "matched"  # old + the mean move scaled to the move sync would have made (hvctr.storage.row_merge)
 
 
 class Compression(str, enum.Enum):

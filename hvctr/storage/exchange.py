@@ -49,7 +49,7 @@ from hvctr.kernels import hash_table_bits, unique_in_order
 from hvctr.storage import routing as _routing
 from hvctr.storage import store as _store
 from hvctr.storage.routing import Routing
-from hvctr.storage.row_merge import merged_rows
+from hvctr.storage.row_merge import contributor_spread, merged_rows
 from hvctr.storage.store import EmbeddingStore, as_keys, require_unique
 
 if TYPE_CHECKING:
@@ -312,11 +312,12 @@ class ShardedTable:
             out[r.order] = back.numpy()
             return self._to_device(torch.from_numpy(out)), asked
 
-    def push(self, keys: Exchange, rows: torch.Tensor | np.ndarray, name: str) -> None:
+    def push(self, keys: Exchange, rows: torch.Tensor | np.ndarray, name: str, steps: int = 1) -> None:
         """Sends rows back to their owners, which average each key over the ranks that sent it
-        (then apply merge.sparse_rule, hvctr.storage.row_merge, to the model columns). A
-        WindowExchange whose keys the owners were sent (warm or pull) sends rows only: each
-        owner merges them by the request it kept."""
+        (then apply merge.sparse_rule, hvctr.storage.row_merge, to the model columns; ``steps``:
+        the local steps the rows took, which the matched rule reads). A WindowExchange whose
+        keys the owners were sent (warm or pull) sends rows only: each owner merges them by the
+        request it kept."""
         r = self._routed(keys)
         asked = self._kept(keys, name)
         with self._call("push") as rec:
@@ -324,6 +325,10 @@ class ShardedTable:
             if asked is None:
                 got, received = self._alltoall(rec, _pack(r.keys, values, r.order), r.splits, f"{name}.rows")
                 uniq, mean, count = merge_messages(got, received, divide=True)
+                if self.sparse_rule is SparseRule.MATCHED:
+                    sent_keys, copies = _unpack(got)
+                    order = np.argsort(uniq)
+                    inverse = order[np.searchsorted(uniq, sent_keys, sorter=order)]
             else:  # the rows in the order their keys were sent: the owner's request says whose they are
                 msg = values if r.in_order else values[r.order]
                 got, received = self._alltoall(rec, torch.from_numpy(np.ascontiguousarray(msg)), r.splits,
@@ -332,9 +337,12 @@ class ShardedTable:
                     raise ValueError(f"{name}: rows of {received} keys per rank, the owners were sent "
                                      f"{asked.received} (a push of other keys than the window's)")
                 uniq, mean, count = merge_asked(got.numpy(), asked, divide=True)
+                copies, inverse = got.numpy(), asked.inverse
             if self.sparse_rule is not SparseRule.AVERAGE:
                 old = self.store.read(uniq, count=False)  # the rows as pulled: nothing wrote them since
-                mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count)
+                spread = (contributor_spread(copies, inverse, old, count, self.store.layout)
+                          if self.sparse_rule is SparseRule.MATCHED else None)
+                mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count, spread, steps)
             self.store.write(uniq, mean)
 
     def push_gradients(self, keys: Keys, grads: torch.Tensor | np.ndarray, apply_fn: ApplyFn, name: str) -> None:

@@ -237,7 +237,8 @@ class Trainer:
             t0 = time.perf_counter()
             moments = self._moments()
             flags = self.reducer.merge(moments, self._flags(), name=f"window{w.index}.merge")
-            self.table.push(w.exchange_keys, rows, name=f"window{w.index}.push")  # rows only: the owners kept the keys
+            # rows only: the owners kept the keys; steps: what merge.sparse_rule = matched reads
+            self.table.push(w.exchange_keys, rows, name=f"window{w.index}.push", steps=w.num_batches)
             self._merge_ms = 1e3 * (time.perf_counter() - t0)
         return flags
 

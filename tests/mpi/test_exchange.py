@@ -277,3 +277,43 @@ def test_a_window_exchange_equals_plain_keys_on_every_call(comm, shard_dir, warm
         assert a[1].tobytes() == b[1].tobytes()
     ahead.store.close()
     per_call.store.close()
+
+
+@pytest.mark.parametrize("how", ["keys", "exchange"])
+def test_matched_rule_merges_as_row_merge_does(comm, shard_dir, how):
+    """merge.sparse_rule = matched through the exchange (rows sent with their keys, or rows only
+    by the owner's kept request) stores what row_merge computes from every rank's copies."""
+    from hvctr.config import SparseRule
+    from hvctr.storage.row_merge import contributor_spread, merged_rows
+    cfg = _cfg(cache_rows=60)
+    owner = default_bucket_owner(comm.size)
+    store = EmbeddingStore(cfg, shard_path(f"{shard_dir}/m", comm.rank), comm.rank, comm.size, owner, create=True)
+    table = ShardedTable(comm, store, owner, "cpu", SparseRule.MATCHED)
+    layout, uni = RowLayout(DIM), _universe()
+    ref = init_rows(uni, layout, cfg.init_scale, cfg.seed)
+    steps = 4
+    for t in range(3):
+        mine = _window_idx(t, comm.rank, "zipf")
+        x = uni[mine] if how == "keys" else table.exchange(uni[mine])
+        rows = table.pull(x, name=f"m.p{t}")
+        copies = []
+        for r in range(comm.size):  # every rank's copies: a move, and 1 or 2 local steps counted
+            idx = _window_idx(t, r, "zipf")
+            c = ref[idx] + 0.01 * _delta(t, r, idx.size, layout.width)
+            c[:, layout.step] = ref[idx, layout.step] + 1 + (idx % 2)
+            copies.append((idx, c))
+        table.push(x, torch.from_numpy(copies[comm.rank][1]), name=f"m.u{t}", steps=steps)
+        allidx = np.concatenate([i for i, _ in copies])
+        allrows = np.concatenate([c for _, c in copies])
+        uniq, inverse = np.unique(allidx, return_inverse=True)
+        count = np.bincount(inverse)
+        mean = np.zeros((uniq.size, layout.width), np.float32)
+        np.add.at(mean, inverse, allrows)
+        mean /= count[:, None].astype(np.float32)
+        old = ref[uniq]
+        spread = contributor_spread(allrows, inverse, old, count, layout)
+        ref[uniq] = merged_rows(SparseRule.MATCHED, layout, old, mean, count, spread, steps)
+    final = table.pull(uni, name="m.final").numpy()
+    np.testing.assert_allclose(final, ref, rtol=2e-5, atol=1e-7)
+    assert not np.allclose(final[:, layout.model], init_rows(uni, layout, cfg.init_scale, cfg.seed)[:, layout.model])
+    store.close()
