@@ -51,7 +51,9 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import h5py
 import numpy as np
@@ -77,6 +79,10 @@ _INDEX_CHUNK = 4096  # keys probed per round of index block reads (at most 16 Mi
 # the index: 61 MiB for a shard of 33M rows), at most 2M (96 MiB), then go to the file together.
 _PENDING_PER_BLOCK = 8
 _PENDING_MAX = 1 << 21
+# What ``Shard.by_cause`` counts for each cause of shard traffic: rows read (read_rows,
+# read_range), index blocks read, and the pool's system calls and bytes. A write of rows that
+# share pages with other rows reads those pages first: write_calls counts those preads too.
+CAUSE_COUNTERS = ("rows_read", "index_blocks_read", "read_calls", "read_bytes", "write_calls", "write_bytes")
 
 
 class KeyFilter:
@@ -281,6 +287,10 @@ class Shard:
         self.pass_index = int(state["pass_index"])
         self.was_clean = bool(state["clean"])  # False: the last writer did not close it
         self.bytes_read = self.bytes_written = 0
+        # shard traffic split by what asked for it (``attributed``): {cause: {counter: n}}
+        self.by_cause: dict[str, dict[str, int]] = {}
+        self._causes: list[str] = []
+        self._mark = self._cause_totals()
         self.key_filter: KeyFilter | None = None
         self._pending_cap = min(self.capacity, _PENDING_MAX,
                                 max(self.num_slots // SLOTS_PER_BLOCK * _PENDING_PER_BLOCK, 4096))
@@ -289,13 +299,44 @@ class Shard:
         self._pending_n = 0
         if self.io == "pread":
             self.key_filter = KeyFilter(self.capacity)
-            for start in range(0, self.n_rows, 1 << 20):
-                meta = self.read_meta(start, start + (1 << 20))
-                self.key_filter.add(meta["key"])
-                if writable and not self.was_clean:  # a writer died with index entries still in memory
-                    self._reindex(meta["key"], start + np.arange(meta.shape[0], dtype=np.int64))
+            with self.attributed("open"):
+                for start in range(0, self.n_rows, 1 << 20):
+                    meta = self.read_meta(start, start + (1 << 20))
+                    self.key_filter.add(meta["key"])
+                    if writable and not self.was_clean:  # a writer died with index entries still in memory
+                        self._reindex(meta["key"], start + np.arange(meta.shape[0], dtype=np.int64))
         if writable:
             self.save_state(clean=False)
+
+    # --- what the traffic is for --------------------------------------------------------
+
+    def _cause_totals(self) -> tuple[int, ...]:
+        io = self.io_stats
+        return (self.bytes_read // self.layout.row_bytes, self.index_blocks_read, io.read_calls, io.read_bytes,
+                io.write_calls, io.write_bytes)
+
+    def _settle(self) -> None:
+        """Credits the traffic since the last mark to the cause in force ("other" outside any)."""
+        now = self._cause_totals()
+        if now != self._mark:
+            acc = self.by_cause.setdefault(self._causes[-1] if self._causes else "other",
+                                           dict.fromkeys(CAUSE_COUNTERS, 0))
+            for name, a, b in zip(CAUSE_COUNTERS, now, self._mark):
+                acc[name] += a - b
+        self._mark = now
+
+    @contextmanager
+    def attributed(self, cause: str) -> Iterator[None]:
+        """The shard traffic inside the block counts for ``cause`` in ``by_cause`` (an inner
+        block's for its own cause). Entered by the one thread that holds the shard (the
+        store's lock), like every other call."""
+        self._settle()
+        self._causes.append(cause)
+        try:
+            yield
+        finally:
+            self._settle()
+            self._causes.pop()
 
     # --- creation ----------------------------------------------------------------------
 
@@ -517,7 +558,8 @@ class Shard:
             return
         keys = np.concatenate([k for k, _ in self._pending_parts])
         pos = np.concatenate([p for _, p in self._pending_parts])
-        self._probe_blocks(keys, pos)
+        with self.attributed("index_flush"):
+            self._probe_blocks(keys, pos)
         self._pending["key"], self._pending["row"] = EMPTY_KEY, -1
         self._pending_parts, self._pending_n = [], 0
 

@@ -187,7 +187,9 @@ class EmbeddingStore:
             self.cache.take(ent, out)
             miss = np.flatnonzero(ent < 0)
             if miss.size:
-                out[miss] = self._read_misses(keys[miss], count)
+                # count=False is a window's second read of its rows (a push's old rows)
+                with self.shard.attributed("pull" if count else "push"):
+                    out[miss] = self._read_misses(keys[miss], count)
             return out
 
     def _read_misses(self, keys: np.ndarray, count: bool) -> np.ndarray:
@@ -232,8 +234,10 @@ class EmbeddingStore:
             self.counters["writeback_rows"] += vk.size
         return n_in
 
-    def _write_shard(self, pos: np.ndarray, keys: np.ndarray, rows: np.ndarray) -> None:
-        with self._timed(shard=True):
+    def _write_shard(self, pos: np.ndarray, keys: np.ndarray, rows: np.ndarray, cause: str = "writeback") -> None:
+        """Rows to the shard: evicted dirty rows and rows the cache could not take
+        ("writeback"), or a flush's dirty rows ("flush")."""
+        with self._timed(shard=True), self.shard.attributed(cause):
             self.shard.write_rows(pos, keys, rows)
 
     def write(self, keys: np.ndarray, rows: np.ndarray) -> None:
@@ -251,7 +255,8 @@ class EmbeddingStore:
             self.cache.put(ent, rows)
             miss = np.flatnonzero(ent < 0)
             if miss.size:
-                self._write_misses(keys[miss], rows[miss])
+                with self.shard.attributed("push"):
+                    self._write_misses(keys[miss], rows[miss])
 
     def _write_misses(self, keys: np.ndarray, rows: np.ndarray) -> None:
         with self._timed(shard=True):
@@ -282,7 +287,7 @@ class EmbeddingStore:
         keys = _unique_keys(keys)
         for start in range(0, keys.shape[0], _WARM_CHUNK):
             chunk = keys[start:start + _WARM_CHUNK]
-            with self._lock, self._timed():
+            with self._lock, self._timed(), self.shard.attributed("warm"):
                 ent = self.cache.lookup(chunk, "pin")
                 miss = chunk[ent < 0]
                 if miss.size == 0:
@@ -301,7 +306,7 @@ class EmbeddingStore:
         default row when admission is on (what training read for it).
         """
         keys = _unique_keys(keys)
-        with self._lock, self._timed():
+        with self._lock, self._timed(), self.shard.attributed("eval"):
             ent = self.cache.lookup(keys, "peek")
             out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
             hit = ent >= 0
@@ -335,7 +340,7 @@ class EmbeddingStore:
                     ent = d[start:start + chunk]
                     part = rows[:ent.size]
                     self.cache.take(ent, part)
-                    self._write_shard(self.cache.pos[ent], self.cache.keys[ent], part)
+                    self._write_shard(self.cache.pos[ent], self.cache.keys[ent], part, "flush")
                     self.cache.mark_clean(ent)
                 self.counters["writeback_rows"] += d.size
             self.shard.save_state(clean=False)
@@ -366,7 +371,7 @@ class EmbeddingStore:
         """
         if self.cfg.ttl_passes == 0:
             return 0
-        with self._lock:
+        with self._lock, self.shard.attributed("compact"):
             self.flush()
             self.cache.clear()
             old, tmp = self.shard, self.path + ".compact"
@@ -394,7 +399,7 @@ class EmbeddingStore:
         """How many rows ``iter_rows(delta_only=...)`` yields now (flushes first, reads only
         row_meta): a checkpoint reserves its file's space before writing a byte of it."""
         self.flush()
-        with self._lock:
+        with self._lock, self.shard.attributed("checkpoint"):
             if not delta_only:
                 return self.shard.n_rows
             return sum(int(np.count_nonzero(self.shard.read_meta(start, start + chunk_rows)["generation"]
@@ -411,7 +416,7 @@ class EmbeddingStore:
         """
         self.flush()
         for start in range(0, self.shard.n_rows, chunk_rows):
-            with self._lock:
+            with self._lock, self.shard.attributed("checkpoint"):
                 meta = self.shard.read_meta(start, start + chunk_rows)
                 if delta_only:
                     sel = np.flatnonzero(meta["generation"] == self.shard.generation)
@@ -451,7 +456,7 @@ class EmbeddingStore:
         if foreign.any():
             raise ValueError(f"load_rows into {self.path}: {int(foreign.sum())} keys (e.g. {int(keys[foreign][0])}) "
                              f"belong to other ranks under this shard's bucket table")
-        with self._lock, self._timed():
+        with self._lock, self._timed(), self.shard.attributed("load"):
             ent = self.cache.lookup(keys, "peek")
             self.cache.discard(ent[ent >= 0])
             with self._timed(shard=True):
@@ -481,6 +486,19 @@ class EmbeddingStore:
             "store_s": self.total_s, "shard_s": self.shard_s, "cache_s": self.total_s - self.shard_s,
             **self.counters,
         }
+
+    def shard_traffic(self) -> dict[str, dict[str, int]]:
+        """The shard's traffic split by cause: {cause: {rows_read, index_blocks_read, read_calls,
+        read_bytes, write_calls, write_bytes}} (hvctr.storage.shard.CAUSE_COUNTERS). Causes:
+        warm (the prefetch), pull (a window's reads of rows the cache lacks, new keys' index
+        entries), push (its index lookups of rows the cache lacks; its old rows, where
+        merge.sparse_rule or sync mode reads them again), writeback (evicted dirty rows and
+        rows the cache could not take), flush (dirty rows at a checkpoint, pass end or close),
+        index_flush (index entries waiting in memory), checkpoint (the rows a checkpoint
+        copies), eval, load (a resume's rebuild), compact, open, other."""
+        with self._lock:
+            self.shard._settle()
+            return {cause: dict(c) for cause, c in sorted(self.shard.by_cause.items())}
 
     def admission_state(self) -> np.ndarray | None:
         """The admission sketch's counters (for checkpoints), None when admission is off."""

@@ -457,6 +457,8 @@ class Trainer:
             "sparse_exchange_bytes": int(sparse_bytes),
             "sparse_bytes_per_sample": sparse_bytes * self.comm.size / samples,
             "store": {k: v for k, v in self.store.stats().items() if isinstance(v, (int, float))},
+            # the shard's rows and index blocks read, system calls and bytes, by what asked for them
+            "shard_traffic": self.store.shard_traffic(),
             # per table operation (pull, push, warm, ...): calls, seconds split into exchange,
             # cache, shard and other, bytes to and from other ranks
             "exchange": {k: round(v, 4) for k, v in self.table.stats().items()},
