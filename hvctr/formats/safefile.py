@@ -55,13 +55,14 @@ def temp_name(path: str | os.PathLike[str]) -> Path:
     return path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp")
 
 
-def create_temp(path: str | os.PathLike[str], mode: int = 0o644) -> tuple[int, Path]:
-    """(descriptor open for writing, name) of a new temporary file beside ``path``, created
-    exclusively (O_EXCL | O_NOFOLLOW): never a planted file or link."""
+def create_temp(path: str | os.PathLike[str], mode: int = 0o644, readable: bool = False) -> tuple[int, Path]:
+    """(descriptor open for writing, and reading where ``readable``, name) of a new temporary
+    file beside ``path``, created exclusively (O_EXCL | O_NOFOLLOW): never a planted file or link."""
+    access = os.O_RDWR if readable else os.O_WRONLY
     for _ in range(100):
         tmp = temp_name(path)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+            fd = os.open(tmp, access | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         except FileExistsError:
             continue
         return fd, tmp

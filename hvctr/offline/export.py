@@ -26,7 +26,13 @@ it reads its init row (hvctr.formats.init_rows with the manifest's seed and scal
 when admission is on (storage.admit_after > 1), the shared zero row, as the trainer's
 evaluation does. No pickle: HDF5 and JSON only.
 
-One rank's rows are sorted in memory: about (dim + 3) * 4 bytes per row of that rank.
+Memory is bounded by ``--memory-mib`` (default 1024), whatever the table's size: a rank's rows
+are sorted by key in runs of that size written to a temporary file in the export's directory,
+then merged into the output in key order (hvctr.offline.keysort); a rank whose copies fit in
+one run is sorted in memory, with no file. The peak is that budget plus the interpreter's own
+(numpy, h5py, torch for the dense names: about 0.4 GiB). The temporary file takes (dim + 3) * 4
+bytes for every copy of a row along the checkpoint's chain, on the export's disk, while its
+rank is written; it is removed before the next rank's (and on any error).
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ from hvctr.formats import safefile
 from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
 from hvctr.formats.space import check_free_space
 from hvctr.log import get_logger
+from hvctr.kernels import diskio
+from hvctr.offline.keysort import SortedRows
 from hvctr.offline.reader import CheckpointReader
 
 log = get_logger(__name__)
@@ -55,6 +63,8 @@ FORMAT_VERSION = 1
 ROW_FORMATS = ("float32", "float16", "int8")  # --rows; manifest "row_format" (absent: float32)
 _ROWS_ALIASES = {"fp32": "float32", "fp16": "float16", "float32": "float32", "float16": "float16", "int8": "int8"}
 _H5 = dict(libver=("v110", "v110"), track_order=True)
+DEFAULT_MEMORY_MIB = 1024
+_WRITE_ROWS = 1 << 16  # rows converted and written at a time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,10 +74,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", default="fp32", choices=sorted(_ROWS_ALIASES),
                    help="how the rows (w | w1) are stored: fp32 (exact), fp16, int8 (rowwise, a float16 scale "
                         "and bias per row, as fbgemm): default fp32")
+    p.add_argument("--memory-mib", type=int, default=DEFAULT_MEMORY_MIB,
+                   help="memory for sorting a rank's rows, in MiB, whatever the table's size (more is sorted in "
+                        f"runs through a temporary file beside --out): default {DEFAULT_MEMORY_MIB}")
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    manifest = export(args.run_dir, args.out, args.checkpoint, overrides, rows=args.rows)
+    if args.memory_mib < 1:
+        raise ValueError(f"--memory-mib {args.memory_mib}: must be at least 1")
+    manifest = export(args.run_dir, args.out, args.checkpoint, overrides, rows=args.rows,
+                      memory_bytes=args.memory_mib << 20)
     src = manifest["source"]
     print(f"hvctr export: checkpoint {src['seq']} of {src['checkpoint']} ({src['world_size']} ranks) -> {args.out}: "
           f"{manifest['rows']:,} rows of dim {manifest['model']['dim']} as {manifest['row_format']} "
@@ -96,8 +112,10 @@ def run_config(run_dir: str | Path, overrides: list[str] = ()) -> Config:
 
 
 def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None,
-           overrides: list[str] = (), rows: str = "float32") -> dict[str, Any]:
-    """Writes the export of a run's newest complete checkpoint (or ``checkpoint``); returns its manifest."""
+           overrides: list[str] = (), rows: str = "float32",
+           memory_bytes: int = DEFAULT_MEMORY_MIB << 20) -> dict[str, Any]:
+    """Writes the export of a run's newest complete checkpoint (or ``checkpoint``); returns its
+    manifest. ``memory_bytes``: the sort's budget (module docstring)."""
     if rows not in _ROWS_ALIASES:
         raise ValueError(f"--rows {rows!r}: not one of {sorted(_ROWS_ALIASES)}")
     row_format = _ROWS_ALIASES[rows]
@@ -118,7 +136,7 @@ def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None =
         for rank in range(reader.world_size):
             name = f"sparse/rank-{rank:05d}.h5"
             current = tmp / name
-            n, nbytes = _write_sparse(tmp / name, reader, rank, dim, owner, row_format)
+            n, nbytes = _write_sparse(tmp / name, reader, rank, dim, owner, row_format, memory_bytes)
             counts.append(n)
             row_bytes += nbytes
             files.append(_record(tmp, name, rows=n, row_bytes=nbytes))
@@ -163,23 +181,40 @@ def dequantize_int8_rowwise(q: np.ndarray, scale_bias: np.ndarray) -> np.ndarray
 
 
 def _write_sparse(path: Path, reader: CheckpointReader, rank: int, dim: int, owner: np.ndarray,
-                  row_format: str = "float32") -> tuple[int, int]:
-    """Rank ``rank``'s model columns, sorted by key, in ``row_format``: (rows, bytes of rows)."""
+                  row_format: str = "float32", memory_bytes: int = DEFAULT_MEMORY_MIB << 20) -> tuple[int, int]:
+    """Rank ``rank``'s model columns, sorted by key, in ``row_format``: (rows, bytes of rows).
+    Streamed in key order from a sort within ``memory_bytes`` (hvctr.offline.keysort)."""
     layout = RowLayout(dim)
-    parts = [(k, r[:, layout.model]) for k, r, _ in reader.rows(rank)]
-    keys = np.concatenate([k for k, _ in parts]) if parts else np.zeros(0, np.uint64)
-    weights = np.concatenate([w for _, w in parts]) if parts else np.zeros((0, layout.model_width), np.float32)
-    order = np.argsort(keys, kind="stable")
-    weights = np.ascontiguousarray(weights[order], dtype=np.float32)
-    if row_format == "int8":
-        stored = dict(zip(("weights", "scale_bias"), quantize_int8_rowwise(weights)))
-    else:
-        stored = {"weights": weights.astype(np.float16 if row_format == "float16" else np.float32)}
-    _write_h5(path, {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": rank,
-                     "world_size": reader.world_size, "dim": dim, "columns": f"w[{dim}] w1[1]",
-                     "row_format": row_format},
-              {"keys": keys[order], **stored, "bucket_owner": np.asarray(owner)})
-    return int(keys.shape[0]), sum(int(a.nbytes) for a in stored.values())
+    width = layout.model_width
+    parts = lambda chunk_rows: reader.copies(rank, layout.model, chunk_rows)  # noqa: E731
+    with SortedRows(parts, reader.copy_count(rank), width, memory_bytes, path.with_suffix(".sort")) as rows:
+        n = rows.count
+        stored = {"weights": ((n, width), np.uint8 if row_format == "int8" else
+                              np.float16 if row_format == "float16" else np.float32)}
+        if row_format == "int8":
+            stored["scale_bias"] = ((n, 2), np.float16)
+        owner = np.asarray(owner)
+        out = _ReservedH5(path, {"format": FORMAT, "format_version": FORMAT_VERSION, "rank": rank,
+                                 "world_size": reader.world_size, "dim": dim, "columns": f"w[{dim}] w1[1]",
+                                 "row_format": row_format},
+                          {"keys": ((n,), np.uint64), **stored, "bucket_owner": (owner.shape, owner.dtype)})
+        with out:
+            out.write("bucket_owner", owner, 0)
+            at = 0
+            for keys, weights in rows.batches():
+                for s0 in range(0, keys.shape[0], _WRITE_ROWS):
+                    w = weights[s0:s0 + _WRITE_ROWS]
+                    out.write("keys", keys[s0:s0 + _WRITE_ROWS], at)
+                    if row_format == "int8":
+                        q, sb = quantize_int8_rowwise(w)
+                        out.write("weights", q, at)
+                        out.write("scale_bias", sb, at)
+                    else:
+                        out.write("weights", w.astype(stored["weights"][1]), at)
+                    at += w.shape[0]
+        if at != n:
+            raise AssertionError(f"{path}: {at} rows written, {n} counted: the checkpoint changed")
+    return n, sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in stored.values())
 
 
 def _write_dense(path: Path, cfg: Config, saved: dict[str, np.ndarray]) -> list[str]:
@@ -198,20 +233,47 @@ def _write_dense(path: Path, cfg: Config, saved: dict[str, np.ndarray]) -> list[
     return [name for name, _ in named]
 
 
-def _write_h5(path: Path, attrs: dict[str, Any], datasets: dict[str, np.ndarray]) -> None:
+class _ReservedH5:
     """A new HDF5 file of contiguous datasets (a reader may map them by file offset), written
     as the checkpoint's rank files are (hvctr.formats.h5alloc): free space checked, HDF5 writes
-    the skeleton, every block reserved (posix_fallocate), the data by pwrite. So a full disk is
-    an OSError before any data is written, never a failed write inside HDF5 (which crashes)."""
+    the skeleton, every block reserved (posix_fallocate), the data by pwrite at the datasets'
+    offsets, ``write(name, rows, first_row)`` a chunk at a time, flushed and dropped behind. So
+    a full disk is an OSError before any data is written, never a failed write inside HDF5
+    (which crashes). ``specs``: {name: (shape, dtype)}, created in that order."""
+
+    def __init__(self, path: Path, attrs: dict[str, Any], specs: dict[str, tuple[Any, Any]]) -> None:
+        self.path = path
+        self.specs = {name: (tuple(shape), np.dtype(dt)) for name, (shape, dt) in specs.items()}
+        need = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in self.specs.values())
+        check_free_space(str(path.parent), need + (64 << 10))
+        with h5py.File(path, "x", **_H5) as f:  # exclusive: never through a planted link
+            f.attrs.update(attrs)
+            self.offsets = {name: create_early(f, name, shape, dt).id.get_offset()
+                            for name, (shape, dt) in self.specs.items()}
+        self._reserved = reserved(path)
+
+    def __enter__(self) -> "_ReservedH5":
+        self._fd = self._reserved.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._reserved.__exit__(*exc)
+
+    def write(self, name: str, a: np.ndarray, first_row: int) -> None:
+        shape, dt = self.specs[name]
+        a = np.ascontiguousarray(a, dtype=dt)
+        if a.size:
+            at = self.offsets[name] + first_row * dt.itemsize * int(np.prod(shape[1:]))
+            pwrite_all(self._fd, a, at)
+            diskio.write_behind(self._fd, str(self.path), at, a.nbytes)
+
+
+def _write_h5(path: Path, attrs: dict[str, Any], datasets: dict[str, np.ndarray]) -> None:
+    """A new HDF5 file of ``datasets`` whole (_ReservedH5)."""
     arrays = {name: np.ascontiguousarray(a) for name, a in datasets.items()}
-    check_free_space(str(path.parent), sum(a.nbytes for a in arrays.values()) + (64 << 10))
-    with h5py.File(path, "x", **_H5) as f:  # exclusive: never through a planted link
-        f.attrs.update(attrs)
-        offsets = {name: create_early(f, name, a.shape, a.dtype).id.get_offset() for name, a in arrays.items()}
-    with reserved(path) as fd:
+    with _ReservedH5(path, attrs, {name: (a.shape, a.dtype) for name, a in arrays.items()}) as f:
         for name, a in arrays.items():
-            if a.size:
-                pwrite_all(fd, a, offsets[name])
+            f.write(name, a, 0)
 
 
 def _record(root: Path, name: str, **extra: Any) -> dict[str, Any]:

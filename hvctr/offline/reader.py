@@ -121,6 +121,25 @@ class CheckpointReader:
         with h5py.File(self.rank_path(0), "r") as f:
             return int(f["rows"].shape[1])
 
+    def copies(self, rank: int, columns: slice = slice(None),
+               chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(keys, rows[:, columns]) of every copy of ``rank``'s rows along the chain: the base's,
+        then each delta's, each file in its order, ``chunk_rows`` at a time. A key rewritten by a
+        delta comes again there: its newest copy is its last (hvctr.offline.keysort keeps it)."""
+        for seq in self.manifest["chain"]:
+            with h5py.File(self.rank_path(rank, seq), "r") as f:
+                kds, rds = f["keys"], f["rows"]
+                for start in range(0, kds.shape[0], chunk_rows):
+                    yield kds[start:start + chunk_rows], rds[start:start + chunk_rows][:, columns]
+
+    def copy_count(self, rank: int) -> int:
+        """How many copies ``copies(rank)`` yields (the rows of every file of the chain)."""
+        total = 0
+        for seq in self.manifest["chain"]:
+            with h5py.File(self.rank_path(rank, seq), "r") as f:
+                total += int(f["keys"].shape[0])
+        return total
+
     def rows(self, rank: int, chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(keys, rows, last_seen) of every row of ``rank``, each key once with its newest value."""
         base, *deltas = self.manifest["chain"]
