@@ -95,12 +95,16 @@ class SortedRows:
     # --- runs --------------------------------------------------------------------------
 
     def _sort_in_memory(self, parts: Parts, total: int) -> None:
-        chunks = list(parts(min(READ_CHUNK_ROWS, max(total, 1))))
-        keys = np.concatenate([k for k, _ in chunks]) if chunks else np.zeros(0, np.uint64)
-        values = np.concatenate([v for _, v in chunks]) if chunks else np.zeros((0, self.columns), np.float32)
-        del chunks
-        keep = newest_sorted(keys)
-        self._memory = keys[keep], np.ascontiguousarray(values[keep], dtype=np.float32)
+        keys = np.empty(total, dtype=np.uint64)
+        values = np.empty((total, self.columns), dtype=np.float32)
+        n = 0
+        for k, v in parts(min(READ_CHUNK_ROWS, max(total, 1))):
+            if n + k.shape[0] > total:
+                raise AssertionError(f"more copies than the {total} counted: the checkpoint changed")
+            keys[n:n + k.shape[0]], values[n:n + k.shape[0]] = k, v
+            n += k.shape[0]
+        keep = newest_sorted(keys[:n])
+        self._memory = keys[keep], values[keep]
         self.count = int(keep.shape[0])
 
     def _write_runs(self, parts: Parts, total: int, beside: Path) -> None:
