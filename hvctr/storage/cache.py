@@ -14,6 +14,11 @@ current operation, by policy:
 - ``CachePolicy.LRU``: least recently used operation first;
 - ``CachePolicy.LFU``: fewest accesses first, ties by recency, every count halved after
   ``storage.lfu_aging_lookups`` key lookups (aging lets yesterday's hot keys go).
+
+An entry inserted with ``hold=True`` (the prefetch's warm, for the next window's pull) is not
+evicted until an "access" lookup reads it: a window's push and the warm's own later rows cannot
+push out what the pull is about to read. ``n_held`` counts them; the store keeps it within half
+the entries, so the other half is always there to evict.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from hvctr.storage import _probe
 _HASH_SALT = np.uint64(0x8CB92BA72F3D8DD7)
 _EMPTY, _DEAD, _CLAIMED = -1, -2, -3  # table entry codes; >= 0 is an entry index
 _TICK_BITS = 40
+_HELD = -1  # tick of an entry held for the read that comes for it (insert(hold=True))
 
 _SLOT_DTYPE = np.dtype([("key", "<u8"), ("ent", "<i8")])
 # bytes per entry besides the row: key 8, shard position 8, dirty 1, tick 8, count 4, table slot
@@ -47,8 +53,9 @@ class RowCache:
       hit or miss and feeds the policy; "pin" only marks the entries as used by the current
       operation (never evicted by it); "peek" changes nothing.
     - ``rows[entry]`` is the row; ``update(entries, rows)`` overwrites and marks dirty.
-    - ``insert(keys, rows, pos, dirty) -> (n_inserted, victims)``: keys absent; the first
-      n_inserted are cached; victims = (keys, pos, rows) of dirty rows evicted to make room.
+    - ``insert(keys, rows, pos, dirty, hold=False) -> (n_inserted, victims)``: keys absent;
+      the first n_inserted are cached (held until an access reads them, with ``hold``);
+      victims = (keys, pos, rows) of dirty rows evicted to make room.
     - ``dirty_entries()``, ``mark_clean(entries)``, ``discard(entries)``, ``clear()``.
     """
 
@@ -75,6 +82,7 @@ class RowCache:
         self._free = np.arange(c - 1, -1, -1, dtype=np.int64)  # a stack; entry 0 is used first
         self.n_free = c
         self.n_dead = 0
+        self.n_held = 0  # entries held for a read (tick _HELD), never evicted until it comes
         self.now = 0  # operation counter: the LRU clock and the pin marker
         self._since_aging = 0
         self.hits = self.misses = self.evictions = 0
@@ -116,7 +124,12 @@ class RowCache:
         assert mode in ("access", "pin"), mode
         self.now += 1
         hit = ent[ent >= 0]
-        self.tick[hit] = self.now
+        held = self.tick[hit] == _HELD
+        if mode == "access":  # the read a hold waited for: the entry is an ordinary one again
+            self.n_held -= int(np.count_nonzero(held))
+            self.tick[hit] = self.now
+        else:  # a pin only protects for this operation: a hold outlasts it
+            self.tick[hit[~held]] = self.now
         if mode == "access":
             self.count[hit] += np.uint32(1)
             self.hits += hit.shape[0]
@@ -158,9 +171,10 @@ class RowCache:
             return
         self.update(ent[hit], rows[hit])
 
-    def insert(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray,
-               dirty: np.ndarray | bool) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Caches as many of ``keys`` (absent, unique) as room allows, in order.
+    def insert(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray, dirty: np.ndarray | bool,
+               hold: bool = False) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Caches as many of ``keys`` (absent, unique) as room allows, in order; ``hold``: kept
+        (never evicted) until an access lookup reads them.
 
         Returns how many were inserted (a prefix of the batch) and the dirty victims
         (keys, shard positions, rows) that the caller must write back.
@@ -176,7 +190,8 @@ class RowCache:
         self.pos[ent] = pos[:m]
         self.rows[ent] = rows[:m]
         self.dirty[ent] = dirty[:m] if isinstance(dirty, np.ndarray) else dirty
-        self.tick[ent] = self.now  # pinned for the rest of this operation
+        self.tick[ent] = _HELD if hold else self.now  # pinned for the rest of this operation, or held
+        self.n_held += m if hold else 0
         self.count[ent] = 1
         self._table_put(keys[:m], ent)
         return m, victims
@@ -205,7 +220,7 @@ class RowCache:
     def _evict(self, need: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Frees at least ``need`` entries (when enough are unpinned); returns dirty victims."""
         used = self.keys != EMPTY_KEY
-        cand = np.flatnonzero(used & (self.tick != self.now))
+        cand = np.flatnonzero(used & (self.tick != self.now) & (self.tick != _HELD))
         m = min(max(need, self.capacity // 256, 1), cand.shape[0])
         if m == 0:
             return _no_victims(self.width)
@@ -221,6 +236,9 @@ class RowCache:
         return victims
 
     def _drop(self, ent: np.ndarray) -> None:
+        held = self.tick[ent] == _HELD  # only discard drops a held entry
+        self.n_held -= int(np.count_nonzero(held))
+        self.tick[ent[held]] = 0
         slots = self.tslot[ent]
         self.tab_key[slots] = EMPTY_KEY
         self.tab_ent[slots] = _DEAD
@@ -262,6 +280,8 @@ class RowCache:
         self.tab_key[:] = EMPTY_KEY
         self.tab_ent[:] = _EMPTY
         self.n_dead = 0
+        self.tick[self.tick == _HELD] = 0
+        self.n_held = 0
         self._free[:] = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)
         self.n_free = self.capacity
 

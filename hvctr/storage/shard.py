@@ -429,6 +429,13 @@ class Shard:
         pos[hit] = self._index["row"][slots[hit]]
         return pos
 
+    def may_hold(self, keys: np.ndarray) -> np.ndarray:
+        """False where the shard certainly does not hold the key (its key filter; pread path),
+        True where it may: no file is read."""
+        if self.key_filter is None:
+            return np.ones(np.shape(keys)[0], dtype=bool)
+        return self.key_filter.may_hold(np.asarray(keys, dtype=np.uint64))
+
     def insert(self, keys: np.ndarray) -> np.ndarray:
         """Adds index entries for new keys (absent, unique); returns their row positions.
 

@@ -227,8 +227,9 @@ class EmbeddingStore:
         seen = self.admission.add(keys) if count else self.admission.estimate(keys)
         return seen >= self.cfg.admit_after
 
-    def _cache_insert(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray, dirty: np.ndarray | bool) -> int:
-        n_in, (vk, vp, vr) = self.cache.insert(keys, rows, pos, dirty)
+    def _cache_insert(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray, dirty: np.ndarray | bool,
+                      hold: bool = False) -> int:
+        n_in, (vk, vp, vr) = self.cache.insert(keys, rows, pos, dirty, hold)
         if vk.size:
             self._write_shard(vp, vk, vr)
             self.counters["writeback_rows"] += vk.size
@@ -283,20 +284,28 @@ class EmbeddingStore:
 
         Keys the shard does not hold are left alone (rows are created only by ``read``, and
         admission counts only there), so warming never changes what a later read returns.
+        The rows it brings are held in the cache until a read takes them (RowCache), at most
+        half of the cache's entries held at a time: where a window's rows outnumber that, the
+        rest are left to the read, which would otherwise read again the rows this warm's later
+        chunks and the push before the read evicted.
         """
         keys = _unique_keys(keys)
         for start in range(0, keys.shape[0], _WARM_CHUNK):
             chunk = keys[start:start + _WARM_CHUNK]
             with self._lock, self._timed(), self.shard.attributed("warm"):
+                room = self.cache.capacity // 2 - self.cache.n_held  # rows it may hold for the read
+                if room <= 0:
+                    return
                 ent = self.cache.lookup(chunk, "pin")
                 miss = chunk[ent < 0]
+                miss = miss[self.shard.may_hold(miss)][:room]  # never past what the cache holds
                 if miss.size == 0:
                     continue
                 with self._timed(shard=True):
                     pos = self.shard.lookup(miss)
                     found = np.flatnonzero(pos >= 0)
                     rows = self.shard.read_rows(pos[found])
-                n_in = self._cache_insert(miss[found], rows, pos[found], False)
+                n_in = self._cache_insert(miss[found], rows, pos[found], False, hold=True)
                 self.counters["warmed_rows"] += n_in
 
     def read_only(self, keys: np.ndarray) -> np.ndarray:
