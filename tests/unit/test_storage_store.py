@@ -224,3 +224,31 @@ def test_flush_writes_every_dirty_row_in_bounded_chunks(tmp_path, monkeypatch, c
         np.testing.assert_array_equal(store.shard.read_rows(store.shard.lookup(keys)), rows)  # on the shard now
     with EmbeddingStore(cfg, path, create=False) as again:
         np.testing.assert_array_equal(again.read(keys), rows)
+
+
+def test_a_warm_window_is_read_from_the_shard_once_however_small_the_cache(tmp_path):
+    """A window's rows outnumber the cache (issue 26's read amplification): the warm reads at most
+    half the cache's entries and holds them; a push of other rows between the warm and the pull
+    evicts none of them; the pull reads from the shard only the rest. Each row once, as stored."""
+    cache_rows = 64
+    cfg = _cfg(cache_rows)
+    uni = _universe()
+    store = EmbeddingStore(cfg, tmp_path / "s.h5")
+    want = np.random.default_rng(3).standard_normal((N_KEYS, LAYOUT.width)).astype(np.float32)
+    for start in range(0, N_KEYS, 500):  # every row on the shard, none left in the cache
+        store.write(uni[start:start + 500], want[start:start + 500])
+    store.flush()
+    store.cache.clear()
+    window, other = np.arange(0, 600), np.arange(1000, 1300)
+
+    def reads(cause):
+        return store.shard_traffic().get(cause, {}).get("rows_read", 0)
+
+    store.warm(uni[window])
+    assert reads("warm") == cache_rows // 2 == store.cache.n_held  # not the 600 the cache cannot keep
+    store.write(uni[other], want[other] + 1)  # the push of the window before: 300 rows, 4x the cache
+    got = store.read(uni[window])
+    np.testing.assert_array_equal(got, want[window])
+    assert reads("pull") == window.size - cache_rows // 2  # the held rows were all still there
+    assert store.cache.n_held == 0  # the pull took them: ordinary entries again
+    np.testing.assert_array_equal(store.read(uni[other]), want[other] + 1)
