@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 SECTION = "## A table larger than memory"
 V1 = Path("/sys/fs/cgroup/memory")
 V2 = Path("/sys/fs/cgroup")
+EXPORT_MEMORY_MIB = 512  # hvctr export --memory-mib: the sort within the cgroup beside the interpreter
 BYTES_PER_KEY = 260  # shard bytes a stored key costs at D = 16: row 208, row_meta 16, index 16 / 0.8, headroom
 
 
@@ -302,8 +303,9 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: P
                                     [*common, "--resume", f"--train.max_steps={summary['steps'] + 8}"])), log, work)
     resumed = _resume_seconds((run / "logs" / "rank-00000.log").read_text(errors="replace"))
     mem_resume = cgroup.read()
-    # export outside the cgroup: it sorts each rank's rows in memory (not out of core yet)
-    t_export = _run([sys.executable, "-m", "hvctr", "export", "--run-dir", str(run), "--out", str(work / f"export-{name}")],
+    # export inside the cgroup too: its sort holds --memory-mib, whatever the table (hvctr.offline.keysort)
+    t_export = _run(wrap([sys.executable, "-m", "hvctr", "export", "--run-dir", str(run), "--out",
+                          str(work / f"export-{name}"), f"--memory-mib={EXPORT_MEMORY_MIB}"]),
                     log, work)
     export_bytes = sum(p.stat().st_size for p in (work / f"export-{name}").rglob("*") if p.is_file())
     mem_all = cgroup.read()
@@ -419,9 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="hvctr-scale-", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
     # data (TSV, then shards), one run's shards at a time, a checkpoint base and a delta of every
-    # row (keys, rows, last_seen), an export (key, w, w1), a resume's rebuilt shards beside them
+    # row (keys, rows, last_seen), an export (key, w, w1) and its sort's temporary file (key, w, w1
+    # of a rank's base and delta copies: one rank at a time), a resume's rebuilt shards beside them
     ckpt = keys_est * (8 + row_bytes + 4)
-    need = rows * 700 + 2 * table + 2 * ckpt + keys_est * 80
+    need = rows * 700 + 2 * table + 2 * ckpt + keys_est * 80 + keys_est * 76
     check_disk(work, int(need) if not args.device_only else 5 << 30)
     log = work / "bench-scale.log"
     print(f"bench.scale: {rows:,} rows x {args.unique_fields} unique fields, table {table / 1e9:,.1f} GB, limit "

@@ -6,6 +6,8 @@ Owns:
 - ``export`` (``hvctr export``): the serving model without optimiser state: per-rank HDF5
   tables key -> (w, w1) with sorted keys (float32, or compressed: ``--rows fp16 | int8``), the dense parameters as named tensors, the model's
   config and a manifest with checksums.
+- ``keysort``: a rank's rows in key order, each key's newest copy along the chain, within a memory
+  budget (sorted runs through a temporary file, then a merge): what export writes.
 - ``score`` (``hvctr score``): a reference scorer that predicts from an export alone and
   gives the trainer's predictions, bit for bit.
 - ``reshard`` (``hvctr reshard``): a checkpoint rewritten for another number of ranks by

@@ -30,7 +30,7 @@ Memory is bounded by ``--memory-mib`` (default 1024), whatever the table's size:
 are sorted by key in runs of that size written to a temporary file in the export's directory,
 then merged into the output in key order (hvctr.offline.keysort); a rank whose copies fit in
 one run is sorted in memory, with no file. The peak is that budget plus the interpreter's own
-(numpy, h5py, torch for the dense names: about 0.4 GiB). The temporary file takes (dim + 3) * 4
+(numpy, h5py, torch for the dense names: about 0.25 GiB). The temporary file takes (dim + 3) * 4
 bytes for every copy of a row along the checkpoint's chain, on the export's disk, while its
 rank is written; it is removed before the next rank's (and on any error).
 """

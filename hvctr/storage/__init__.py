@@ -26,7 +26,8 @@ row layout and its init are hvctr.formats'. A key belongs to the rank
     Tier 1  SSD shard, one HDF5 file per rank: bucket table, key index (open addressing in
             4 KiB blocks), rows, per-row meta (key, last pass written, checkpoint generation)
 
-    warm (prefetch thread, window t+1): keys --alltoall--> owners: shard -> cache.
+    warm (prefetch thread, window t+1): keys --alltoall--> owners: shard -> cache, the rows
+      held there until the pull reads them (at most half the cache; the pull reads the rest).
       It answers nothing: window t+1's rows are pulled only after merge(t) pushed, so
       prefetch changes speed, never values.
 
