@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hvctr.formats.dirlock import DirLock
+from hvctr.formats.textfile import read_text
 
 if TYPE_CHECKING:
     from hvctr.config import Config
@@ -266,12 +267,9 @@ def read_identity(run_dir: str | Path) -> dict[str, Any] | None:
     """The run's identity.json, None when there is none (a run from before it, or resharded into
     a new directory); ValueError naming the file when it is damaged."""
     path = Path(run_dir) / IDENTITY_NAME
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return None
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    text = read_text(path, "run identity")  # a ValueError naming it: unreadable, not UTF-8
     try:
         identity = json.loads(text)
     except ValueError as e:

@@ -245,8 +245,12 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 
 
-def _coerce(key: str, value: Any, typ: Any) -> Any:
-    """Turns a TOML value (or a flag's string) into the field's type, or raises naming the key."""
+def _coerce(key: str, value: Any, typ: Any, text: bool = False) -> Any:
+    """Turns a value into the field's type, or raises naming the key. ``text``: a command-line
+    flag's string (``--storage.cpu_cache_bytes=1e9``, ``--metrics.all_ranks=yes``), read as a
+    person types it; otherwise a TOML value (or a dict's), which must already be of the type:
+    an integer key takes a TOML integer, a boolean key true or false, never a string or a float
+    that looks like one (``dim = "16"``, ``dim = 16.0``, ``all_ranks = "yes"``)."""
     origin = typing.get_origin(typ)
     if isinstance(typ, type) and issubclass(typ, enum.Enum):
         valid = [m.value for m in typ]
@@ -258,48 +262,55 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     if typ is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        if text and isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise ValueError(f"config key {key!r}: expected true or false, got {value!r}")
+        raise ValueError(f"config key {key!r}: expected true or false, got {_shown(value, text)}")
     if typ is int:
-        if isinstance(value, bool):
-            raise ValueError(f"config key {key!r}: expected an integer, got {value!r}")
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)  # 1e9 bytes written as a float
-        if isinstance(value, str):
+        if text and isinstance(value, str):
             try:
                 f = float(value.replace("_", ""))
             except ValueError:
                 f = None
             if f is not None and f.is_integer():
-                return int(f)
-        raise ValueError(f"config key {key!r}: expected an integer, got {value!r}")
+                return int(f)  # 1e9 bytes, as a person types it on the command line
+        hint = (" (write it as a TOML integer; large ones may use underscores: 1_000_000_000)"
+                if isinstance(value, float) and not text else "")
+        raise ValueError(f"config key {key!r}: expected an integer, got {_shown(value, text)}{hint}")
     if typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):
+        if text and isinstance(value, str):
             try:
                 return float(value)
             except ValueError:
                 pass
-        raise ValueError(f"config key {key!r}: expected a number, got {value!r}")
+        raise ValueError(f"config key {key!r}: expected a number, got {_shown(value, text)}")
     if typ is str:
         if isinstance(value, str):
             return value
-        raise ValueError(f"config key {key!r}: expected a string, got {value!r}")
+        raise ValueError(f"config key {key!r}: expected a string, got {_shown(value, text)}")
     if origin is tuple:
         (elem, _ellipsis) = typing.get_args(typ)
-        if isinstance(value, str):
-            value = [v for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        if text and isinstance(value, str):
+            value = [v.strip() for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"config key {key!r}: expected a list, got {value!r}")
-        return tuple(_coerce(key, v.strip() if isinstance(v, str) else v, elem) for v in value)
+            raise ValueError(f"config key {key!r}: expected a list, got {_shown(value, text)}")
+        return tuple(_coerce(key, v, elem, text) for v in value)
     raise TypeError(f"unsupported config type {typ} for {key}")  # a bug in this module
 
 
-def _apply(tree: dict[str, dict[str, Any]], section: str, key: str, value: Any, where: str) -> None:
+def _shown(value: Any, text: bool) -> str:
+    """A value in an error, with what TOML made of it where that is the problem ("16": a string)."""
+    if text:
+        return repr(value)
+    kind = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}.get(type(value), "")
+    return f"{value!r} ({kind})" if kind else repr(value)
+
+
+def _apply(tree: dict[str, dict[str, Any]], section: str, key: str, value: Any, where: str,
+           text: bool = False) -> None:
     sections = _sections()
     if section not in sections:
         raise ValueError(f"{where}: unknown config section {section!r}; valid sections: {sorted(sections)}")
@@ -308,7 +319,12 @@ def _apply(tree: dict[str, dict[str, Any]], section: str, key: str, value: Any, 
         raise ValueError(
             f"{where}: unknown config key '{section}.{key}'; valid keys of [{section}]: {sorted(types_)}"
         )
-    tree.setdefault(section, {})[key] = _coerce(f"{section}.{key}", value, types_[key])
+    try:
+        tree.setdefault(section, {})[key] = _coerce(f"{section}.{key}", value, types_[key], text)
+    except ValueError as e:
+        if where in ("config", "command line"):
+            raise
+        raise ValueError(f"{where}: {e}") from None  # the file it came from
 
 
 def parse_overrides(flags: Iterable[str]) -> list[tuple[str, str, str]]:
@@ -335,7 +351,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
             for key, value in body.items():
                 _apply(tree, section, key, value, str(path))
     for section, key, value in parse_overrides(overrides):
-        _apply(tree, section, key, value, "command line")
+        _apply(tree, section, key, value, "command line", text=True)
     return from_dict(tree)
 
 

@@ -5,10 +5,10 @@ data_prep's resume (a manifest of an unfinished run) and for everything that rea
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 from hvctr.formats import FORMAT, SUPPORTED_VERSIONS
+from hvctr.formats.textfile import read_json
 
 MANIFEST_NAME = "manifest.json"
 
@@ -23,11 +23,10 @@ def read_manifest(path: str, *, complete: bool = True) -> dict | None:
         data_dir = os.path.dirname(path) or "."
         raise ValueError(f"{path}: no data_prep manifest (is {data_dir} a data_prep output directory?)")
     try:
-        with open(path) as f:
-            m = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        m = read_json(path, "data manifest")
+    except ValueError as e:  # not UTF-8, not JSON, unreadable: the file, line and column named
         hint = "" if complete else "; delete the directory to start over"
-        raise ValueError(f"{path}: unreadable manifest: {e}{hint}") from e
+        raise ValueError(f"{e}{hint}") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise ValueError(f"{path}: not a data_prep manifest (format {m.get('format') if isinstance(m, dict) else None!r})")
     if m.get("format_version") not in SUPPORTED_VERSIONS:

@@ -2,10 +2,10 @@
 
     raw = read_toml(path, "config file")   # {...}, or a ValueError naming the file
 
-Every error is a ValueError whose message starts with what the file is and its path:
-``<what> <path> does not exist<missing_hint>``, ``<what> <path>: cannot read it: <reason>``,
-``<what> <path>: <the parser's message> (at line L, column C)`` (the end of the file, too, is
-named by its line and column).
+Every error is a ValueError whose message starts with what the file is and its path: those of
+``hvctr.formats.textfile.read_text`` (missing, a directory, unreadable, not UTF-8: with the line
+and column of the first bad byte), and ``<what> <path>: <the parser's message> (at line L,
+column C)`` (the end of the file, too, is named by its line and column).
 """
 
 from __future__ import annotations
@@ -15,18 +15,14 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from hvctr.formats.textfile import read_text
+
 
 def read_toml(path: str | os.PathLike[str], what: str, missing_hint: str = "") -> dict[str, Any]:
     """The table in the TOML file at ``path``; ``what`` names the file in every error
     ("config file", "hardware map", ...), ``missing_hint`` follows the one for a missing file."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{what} {path} does not exist{missing_hint}")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise ValueError(f"{what} {path}: cannot read it: {reason}") from None
+    text = read_text(path, what, missing_hint)
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:  # its message ends "(at line L, column C)" or "(at end of document)"

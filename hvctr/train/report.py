@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hvctr.formats.textfile import read_json, read_text
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="a run directory written by hvctr train or hvctr simulate")
@@ -31,7 +33,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, An
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl: not a run directory of hvctr train")
     by_kind: dict[str, dict[tuple[int, bool], dict[str, Any]]] = {"progress": {}, "eval": {}}
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in enumerate(read_text(path, "metrics file").splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -39,6 +41,8 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, An
         except json.JSONDecodeError:
             raise ValueError(f"{path}, line {n}: not JSON (a run killed while writing leaves a cut last line: "
                              f"remove it)") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}, line {n}: not a metrics record (a JSON object): damaged")
         if rec.get("event") in by_kind:
             by_kind[rec["event"]][(rec.get("step", 0), bool(rec.get("final")))] = rec
     return tuple(sorted(d.values(), key=lambda r: (r.get("step", 0), bool(r.get("final"))))
@@ -49,11 +53,11 @@ def _samples_per_step(run_dir: Path, summary: dict[str, Any] | None) -> float:
     """Global samples a step trained: from the summary, else the config and the binding table."""
     if summary and summary.get("steps"):
         return summary["samples"] / summary["steps"]
-    import tomllib
+    from hvctr.formats.tomlfile import read_toml
 
-    cfg = tomllib.loads((run_dir / "config.toml").read_text()) if (run_dir / "config.toml").is_file() else {}
+    cfg = read_toml(run_dir / "config.toml", "run config") if (run_dir / "config.toml").is_file() else {}
     batch = cfg.get("data", {}).get("batch_size_per_rank", 0)
-    ranks = len(json.loads((run_dir / "binding.json").read_text())) if (run_dir / "binding.json").is_file() else 1
+    ranks = len(read_json(run_dir / "binding.json", "binding table")) if (run_dir / "binding.json").is_file() else 1
     return float(batch * ranks) or 1.0
 
 
@@ -133,7 +137,9 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     run_dir = Path(args.run_dir)
     progress, evals = read_metrics(run_dir)
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    summary = read_json(summary_path, "run summary") if summary_path.is_file() else None
+    if summary is not None and not isinstance(summary, dict):
+        raise ValueError(f"run summary {summary_path}: not a summary (a JSON object): damaged")
     out = Path(args.out) if args.out else run_dir / "report.png"
     try:
         import matplotlib  # noqa: F401

@@ -36,8 +36,10 @@ def test_read_toml_names_a_missing_or_unreadable_file(tmp_path):
         read_toml(tmp_path / "nope.toml", "thing", ": see here")
     p = tmp_path / "latin1.toml"
     p.write_bytes(b"a = '\xff'\n")
-    with pytest.raises(ValueError, match=rf"^thing {p}: cannot read it: "):
+    with pytest.raises(ValueError, match=rf"^thing {p}: not UTF-8 text: byte 0xff at line 1, column 6 \(save it as UTF-8\)$"):
         read_toml(p, "thing")
+    with pytest.raises(ValueError, match=rf"^thing {tmp_path} is a directory, not a file$"):
+        read_toml(tmp_path, "thing")
 
 
 @pytest.mark.parametrize("load, what", [(load_config, "config file"), (load_space, "search space"),
