@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable
 
@@ -98,6 +99,20 @@ def _horovod_shut_down(e: BaseException | None) -> bool:
     return False
 
 
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command SIGPIPE ended (`yes | head`)
+
+
+def _discard_stdout() -> None:
+    """stdout onto /dev/null: what is still buffered for the closed pipe goes nowhere, and the
+    interpreter's flush at exit raises no second BrokenPipeError."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = join_override_values(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser(_requested_command(argv))
@@ -119,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         if not agreed:
             abort_job(2)  # this rank's error alone: other ranks may wait in a collective
         return 2
+    except BrokenPipeError:  # stdout's reader stopped reading (`hvctr score ... | head`): quietly, as Unix tools
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     except OSError as e:  # a file the command did not turn into a message of its own: its path, once
         if e.filename is None:
             raise

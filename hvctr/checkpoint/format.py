@@ -47,7 +47,9 @@ from hvctr.log import get_logger
 from hvctr.kernels import diskio, native
 from hvctr.formats import safefile
 from hvctr.formats.h5alloc import create_early, pwrite_all
+from hvctr.formats.fields import Exact, OneOf, Opt, field_problem
 from hvctr.formats.space import check_free_space
+from hvctr.formats.textfile import read_text
 
 log = get_logger(__name__)
 
@@ -109,7 +111,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     """A manifest written by write_manifest; ValueError naming the file when it is not JSON or
     does not match its own checksum (manifests from before the checksum have none to check)."""
     try:
-        manifest = json.loads(Path(path).read_text())
+        manifest = json.loads(read_text(path, "manifest"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not JSON ({e}): damaged or half-written") from None
     want = manifest.get(MANIFEST_CHECKSUM) if isinstance(manifest, dict) else None
@@ -118,13 +120,28 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
+# What the readers of a checkpoint manifest use (resume, export, reshard, preflight), checked
+# before any of it is: a resealed manifest with a key missing or of another type is damaged.
+MANIFEST_FIELDS = {
+    "format_version": int, "seq": int, "kind": OneOf(("base", "delta")), "base_seq": int, "chain": [int],
+    "world_size": int, "files": [dict],
+    "state": Exact({name: int for name in ("epoch", "batch", "window", "step", "samples")}),
+    "kernels": Opt(str), "mode": Opt(str), "train_dir": Opt(str), "init_from": Opt(dict),
+    "resharded_from": Opt(dict), "batch_size_per_rank": Opt(int),
+}
+
+
 def read_manifests(directory: str | Path) -> list[dict[str, Any]]:
     """Manifests of the complete checkpoints under ``directory``, newest first; a damaged one
-    is left out with a warning (its checkpoint is then incomplete)."""
+    (not JSON, not its own checksum, a key its readers use missing or of another type) is
+    left out with a warning (its checkpoint is then incomplete)."""
     out = []
     for path in Path(directory).glob(f"{_PREFIX}*/manifest.json"):
         try:
             manifest = read_manifest(path)
+            problem = field_problem(manifest, MANIFEST_FIELDS)
+            if problem:
+                raise ValueError(f"{problem}: damaged or not written by hvctr")
             problem = plain_file(Path(directory), f"{path.parent.name}/{path.name}")
             seq = manifest.get("seq")
             if not problem and (not path.parent.name[len(_PREFIX):].isdigit() or type(seq) is not int

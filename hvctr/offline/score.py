@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from hvctr.formats import safefile
+from hvctr.formats.fields import OneOf, Opt, field_problem
 from hvctr.formats.lines import parse_block
 from hvctr.formats.sources import Unit, iter_blocks, open_sources
 from hvctr.checkpoint.format import check_bucket_owner, check_datasets, file_sha256, plain_file, read_manifest
@@ -47,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="an export directory (hvctr export)")
     p.add_argument("--input", required=True, help="Criteo TSV (or CSV with a header; .gz too), labels included")
     p.add_argument("--out", help="where to write one probability per input line (default: stdout)")
-    p.add_argument("--batch-size", type=int, default=0, help="rows per forward pass (default: the run's "
+    p.add_argument("--batch-size", type=int, default=0, help="rows per forward pass (default, or 0: the run's "
                    "data.batch_size_per_rank, as the trainer's evaluation)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's default is 1)")
 
@@ -55,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if overrides:
         raise ValueError(f"hvctr score takes no config overrides, got {overrides}")
+    if args.threads < 1:
+        raise ValueError(f"--threads {args.threads}: the torch threads to score with, at least 1 (the trainer's "
+                         f"evaluation uses 1: the same threads give the same probabilities, bit for bit)")
+    if args.batch_size < 0:
+        raise ValueError(f"--batch-size {args.batch_size}: rows per forward pass, at least 1 (0: the run's "
+                         f"data.batch_size_per_rank)")
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     model = ExportedModel(args.model)
@@ -76,6 +83,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             out.close()
             os.replace(tmp, args.out)
     except OSError as e:  # a full disk under --out: nothing half-written is left
+        if not args.out:  # stdout: a closed pipe ends the command quietly (hvctr.cli), another error is named
+            if isinstance(e, BrokenPipeError):
+                raise
+            raise ValueError(f"cannot write the probabilities to stdout: {e.strerror or e}") from None
         raise ValueError(f"--out {args.out}: cannot write it: {e.strerror or e}") from None
     finally:
         if args.out:
@@ -86,6 +97,25 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
           f"NE {r['ne']:.4f}  COPC {r['copc']:.3f}",
           file=sys.stderr)
     return 0
+
+
+# What ExportedModel reads of an export's manifest (files and world_size: _check_files).
+EXPORT_FIELDS = {
+    "world_size": int, "files": [dict], "dense": [str], "batch_size": int, "row_format": Opt(str),
+    "model": {"arch": OneOf(tuple(a.value for a in ModelArch)), "dim": int, "hidden": [int], "num_dense": int,
+              "num_fields": int},
+    "unseen_keys": {"row": OneOf(("init", "default")), "init_scale": float, "seed": int},
+}
+
+
+def _range_problem(m: dict) -> str:
+    mc = m["model"]
+    for key, value, low in (("model.dim", mc["dim"], 1), ("batch_size", m["batch_size"], 1),
+                            ("model.num_fields", mc["num_fields"], 1), ("model.num_dense", mc["num_dense"], 0),
+                            ("model.hidden", min(mc["hidden"], default=1), 1)):
+        if value < low:
+            return f"key {key!r}: {value} is below {low}"
+    return ""
 
 
 class ExportedModel:
@@ -103,6 +133,9 @@ class ExportedModel:
         if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: format {m.get('format')!r} version {m.get('format_version')!r}, "
                              f"this hvctr reads {FORMAT!r} version {FORMAT_VERSION}")
+        problem = field_problem(m, EXPORT_FIELDS) or _range_problem(m)
+        if problem:  # resealed with a key missing or of another type: named before any is used
+            raise ValueError(f"{path}: {problem}: damaged or not written by hvctr export")
         self._check_files(m, path, verify)
         self.row_format = m.get("row_format", "float32")  # exports before --rows: float32
         if self.row_format not in ROW_FORMATS:
