@@ -24,7 +24,7 @@ import numpy as np
 from hvctr import formats
 from hvctr.formats.lines import Block
 from hvctr.formats import NUM_DENSE, NUM_FIELDS, KeySketch
-from hvctr.formats.space import check_free_space
+from hvctr.formats.space import check_free_space, remedy
 
 
 WRITE_ROWS = 1 << 15  # rows a shard writer gathers before one write to its file
@@ -108,9 +108,9 @@ ROW_BYTES = 4 + 4 * NUM_DENSE + 8 * NUM_FIELDS  # label, dense, keys: one row of
 
 def write_error(path: str, e: OSError) -> ValueError:
     """A write that failed (a full disk) as one message naming the file; nothing of it is left."""
-    return ValueError(f"cannot write {path}: {e.strerror or e}; nothing of it was kept: free space in "
-                      f"{os.path.dirname(os.path.dirname(path)) if '_work' in path else os.path.dirname(path)} "
-                      f"and run the same data_prep command again (it continues where it stopped)")
+    out = os.path.dirname(os.path.dirname(path)) if "_work" in path else os.path.dirname(path)
+    return ValueError(f"cannot write {path}: {e.strerror or e}; nothing of it was kept: {remedy(e, out)}, "
+                      f"then run the same data_prep command again (it continues where it stopped)")
 
 
 def _cat(arrays: list[np.ndarray], dtype, empty_shape) -> np.ndarray:

@@ -22,6 +22,7 @@ from hvctr.checkpoint.format import (
 )
 from hvctr.distributed.world import AgreedError, group_errors, raise_agreed
 from hvctr.formats import safefile
+from hvctr.formats.space import remedy
 from hvctr.kernels import native
 from hvctr.log import get_logger
 
@@ -141,7 +142,7 @@ class CheckpointManager:
         last = f"checkpoint {self._last['seq']}" if self._last else "none yet"
         return CheckpointWriteError(
             f"checkpoint {seq}: cannot write {path}: {e.strerror or e}; nothing of it was kept, the newest "
-            f"complete checkpoint is {last}: free space in {self.dir} (or set checkpoint.dir elsewhere), "
+            f"complete checkpoint is {last}: {remedy(e, self.dir)} (or set checkpoint.dir elsewhere), "
             f"then run again with --resume")
 
     def _prune(self, newest: dict[str, Any]) -> None:

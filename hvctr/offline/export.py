@@ -50,7 +50,7 @@ from hvctr.config import Config, load_config, parse_overrides, to_dict
 from hvctr.formats import RowLayout
 from hvctr.formats import safefile
 from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
-from hvctr.formats.space import check_free_space
+from hvctr.formats.space import check_free_space, remedy
 from hvctr.log import get_logger
 from hvctr.kernels import diskio
 from hvctr.offline.keysort import SortedRows
@@ -152,7 +152,7 @@ def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None =
     except OSError as e:  # a full disk: one message naming the file, nothing of the export left
         safefile.remove_temp_dir(tmp)
         raise ValueError(f"cannot write {current}: {e.strerror or e}; nothing of the export was kept ({tmp} "
-                         f"removed): free space there, or choose an --out on a larger disk") from None
+                         f"removed): {remedy(e, tmp.parent)}, or choose another --out") from None
     except BaseException:
         safefile.remove_temp_dir(tmp)
         raise

@@ -37,7 +37,7 @@ import numpy as np
 from hvctr.checkpoint.format import (FORMAT_VERSION, ReservedRankFile, _rank_file, checkpoint_path, file_sha256,
                                     rank_file_bytes, read_manifests, write_manifest)
 from hvctr.formats import safefile
-from hvctr.formats.space import check_free_space
+from hvctr.formats.space import check_free_space, remedy
 from hvctr.formats import NUM_BUCKETS, owner_of
 from hvctr.offline.reader import CheckpointReader
 
@@ -127,7 +127,7 @@ def reshard(source: str | Path, world_size: int, out: str | Path) -> dict[str, A
                 os.rmdir(d)
         if isinstance(e, OSError):  # a full disk: one message naming the file, nothing kept
             raise ValueError(f"cannot write {current}: {e.strerror or e}; nothing of the resharded checkpoint "
-                             f"was kept: free space there, or choose an --out on a larger disk") from None
+                             f"was kept: {remedy(e, out)}, or choose another --out") from None
         raise
 
 

@@ -61,7 +61,7 @@ import numpy as np
 from hvctr.formats import EMPTY_KEY, NUM_BUCKETS, RowLayout, mix64
 from hvctr.formats import safefile
 from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
-from hvctr.formats.space import check_free_space
+from hvctr.formats.space import check_free_space, remedy
 from hvctr.kernels import diskio, native
 from hvctr.storage import _probe
 
@@ -385,8 +385,8 @@ class Shard:
         except OSError as e:
             _remove_quietly(tmp)
             raise ValueError(f"cannot create the shard {path} ({need / 2**20:,.1f} MiB for storage.rows_per_rank = "
-                             f"{capacity} rows and their index): {e.strerror or e}; free space there, point "
-                             f"storage.shard_dir at a larger disk or lower storage.rows_per_rank") from None
+                             f"{capacity} rows and their index): {e.strerror or e}; {remedy(e, Path(path).parent)}, "
+                             f"point storage.shard_dir at another disk or lower storage.rows_per_rank") from None
         os.replace(tmp, path)
         return cls(path, io=io, io_threads=io_threads)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hvctr.formats import safefile
+from hvctr.formats.space import remedy
 from hvctr.log import get_logger
 
 log = get_logger(__name__)
@@ -105,7 +106,7 @@ class Meter:
                 self._file.flush()
             except OSError as e:  # a full disk: one message naming the file, not a traceback
                 raise ValueError(f"cannot write the run's metrics file {self._path} ({event.get('event')} record): "
-                                 f"{e.strerror or e}; free space there (--resume continues from the last "
+                                 f"{e.strerror or e}; {remedy(e, Path(self._path).parent)} (--resume continues from the last "
                                  f"complete checkpoint)") from None
 
     def maybe_log(self, step: int, total_steps: int, extra: dict[str, Any]) -> None:
