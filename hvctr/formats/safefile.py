@@ -88,9 +88,13 @@ def _sync_dir(directory: Path) -> None:
 def replacing(path: str | os.PathLike[str], mode: str = "w", fsync: bool = False,
               **open_kw) -> Iterator[IO]:
     """A file object on a new temporary file beside ``path``; renamed over ``path`` when the
-    block ends without error, removed when it raises (the error goes on)."""
+    block ends without error, removed when it raises (the error goes on; an OSError names
+    ``path``)."""
     path = Path(path)
-    fd, tmp = create_temp(path)
+    try:
+        fd, tmp = create_temp(path)
+    except OSError as e:
+        raise _named(e, path) from None
     try:
         with os.fdopen(fd, mode, **open_kw) as f:
             yield f
@@ -98,9 +102,18 @@ def replacing(path: str | os.PathLike[str], mode: str = "w", fsync: bool = False
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # a write or the flush at close (a full disk): named by the target
+        remove_quietly(tmp)
+        raise _named(e, path) from None
     except BaseException:
         remove_quietly(tmp)
         raise
+
+
+def _named(e: OSError, path: Path) -> OSError:
+    """``e`` as the same kind of OSError whose filename is ``path`` (not the temporary name, or
+    none: a failed write() or close() names no file)."""
+    return OSError(e.errno, e.strerror or str(e), str(path)) if e.errno else e
 
 
 @contextlib.contextmanager

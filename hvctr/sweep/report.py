@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hvctr.formats import safefile
+from hvctr.formats.space import remedy
 from hvctr.config import load_config, to_toml
 from hvctr.sweep.space import space_from_dict
 from hvctr.sweep.study import StudyDir
@@ -74,21 +76,26 @@ def run_report(args: argparse.Namespace) -> int:
     keys = [p.key for p in space.params]
     rows = trial_rows(study, keys)
     out = Path(args.out) if args.out else sd.path / "report"
-    out.mkdir(parents=True, exist_ok=True)
     columns = ["trial", "state", *keys, "auc", "logloss", "steps", "wall_s", "pruned_at", "note"]
     table = markdown(rows, columns)
-    (out / "trials.md").write_text(table)
-    with open(out / "trials.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else columns)
-        w.writeheader()
-        w.writerows(rows)
+    csv_text = io.StringIO(newline="")
+    w = csv.DictWriter(csv_text, fieldnames=list(rows[0]) if rows else columns)
+    w.writeheader()
+    w.writerows(rows)
+    try:  # each file whole or not at all (a fresh temporary file, then renamed)
+        safefile.make_dir(out)
+        safefile.write_text(out / "trials.md", table)
+        safefile.write_text(out / "trials.csv", csv_text.getvalue())
+        plots = _plots(rows, space, out)
+    except OSError as e:  # a full or read-only disk: one message naming the file
+        raise ValueError(f"cannot write {e.filename or out}: {e.strerror or e} (no file of the report is left "
+                         f"half-written): {remedy(e, out)}, or choose another --out") from None
     counts = {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "fail", "running", "waiting")}
     print(table + "\n" + "  ".join(f"{k} {v}" for k, v in counts.items() if v))
     done = [r for r in rows if r["state"] == "complete"]
     if done:
         best = max(done, key=lambda r: r["auc"])
         print(f"best: trial {best['trial']}, AUC {best['auc']:.4f} ({best['run_dir']})")
-    plots = _plots(rows, space, out)
     print(f"written: {out / 'trials.md'}, {out / 'trials.csv'}" + "".join(f", {p}" for p in plots))
     return 0
 
@@ -121,7 +128,7 @@ def _plots(rows: list[dict[str, Any]], space, out: Path) -> list[Path]:
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths = [out / "auc_over_trials.png"]
-    fig.savefig(paths[0], dpi=110)
+    _save(fig, paths[0])
     plt.close(fig)
     n = len(space.params)
     fig, axes = plt.subplots(1, n, figsize=(3.6 * n, 3.4), squeeze=False)
@@ -142,9 +149,16 @@ def _plots(rows: list[dict[str, Any]], space, out: Path) -> list[Path]:
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     paths.append(out / "auc_vs_params.png")
-    fig.savefig(paths[1], dpi=110)
+    _save(fig, paths[1])
     plt.close(fig)
     return paths
+
+
+def _save(fig, path: Path) -> None:
+    """The figure as a PNG at ``path``, whole or not at all; an OSError names ``path``."""
+    data = io.BytesIO()
+    fig.savefig(data, format="png", dpi=110)
+    safefile.write_bytes(path, data.getvalue())
 
 
 def run_best(args: argparse.Namespace) -> int:

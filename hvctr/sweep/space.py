@@ -12,14 +12,15 @@
     "storage.dim" = { low = 4, high = 32, step = 4 }
     "model.hidden" = { choices = [[64, 32], [256, 128]] }
 
-A range is int when the config key is an int, else float; ``log`` samples it on a log scale,
-``step`` on a grid. A choice that is a list (model.hidden) travels as "a,b" (Optuna's
+A range is int when the config key is an int (its low, high and step TOML integers), else
+float (finite numbers); ``log`` samples it on a log scale, ``step`` on a grid. A choice that is a list (model.hidden) travels as "a,b" (Optuna's
 categorical values are scalars). Every key and every bound is checked against hvctr.config at
 load: a typo or a value the config refuses is an error before any trial runs.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,17 +121,33 @@ def _param(key: str, spec: Any, where: str) -> Param:
     if "low" not in spec or "high" not in spec:
         raise ValueError(f"{where}: parameter {key!r}: a range needs low and high")
     is_int = _field_types(sections[section])[name] is int
-    low, high = spec["low"], spec["high"]
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or low >= high:
-        raise ValueError(f"{where}: parameter {key!r}: low {low!r} must be a number below high {high!r}")
-    if spec.get("log") and low <= 0:
+    low, high, step, log = spec["low"], spec["high"], spec.get("step"), spec.get("log", False)
+    kind = "an integer" if is_int else "a finite number"
+    for what, v in (("low", low), ("high", high), *((("step", step),) if step is not None else ())):
+        if not _is_number(v, is_int):  # inf and nan too: Optuna cannot sample them (OverflowError)
+            raise ValueError(f"{where}: parameter {key!r}: {what} must be {kind} ({key} takes "
+                             f"{'integers' if is_int else 'numbers'}), got {v!r}")
+    if low >= high:
+        raise ValueError(f"{where}: parameter {key!r}: low {low!r} must be below high {high!r}")
+    if not isinstance(log, bool):
+        raise ValueError(f"{where}: parameter {key!r}: log must be true or false, got {log!r}")
+    if step is not None and step <= 0:
+        raise ValueError(f"{where}: parameter {key!r}: step must be > 0, got {step!r}")
+    if log and low <= 0:
         raise ValueError(f"{where}: parameter {key!r}: a log range needs low > 0, got {low!r}")
-    if spec.get("log") and spec.get("step"):
+    if log and step:
         raise ValueError(f"{where}: parameter {key!r}: log and step do not go together (Optuna)")
-    p = Param(key, low=low, high=high, log=bool(spec.get("log", False)), step=spec.get("step"), is_int=is_int)
+    p = Param(key, low=low, high=high, log=log, step=step, is_int=is_int)
     for v in (low, high):
-        _check_value(p, int(v) if is_int else v, where)
+        _check_value(p, v, where)
     return p
+
+
+def _is_number(v: Any, integer: bool) -> bool:
+    """``v`` is a TOML integer (``integer``), else a finite TOML number; never a bool."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return isinstance(v, int) if integer else math.isfinite(v)
 
 
 def _check_value(p: Param, value: Any, where: str) -> None:

@@ -20,11 +20,19 @@ SIGTERM/SIGINT does this itself after hvctr train checkpointed.
 
 The journal's appends are single write() calls on an O_APPEND descriptor under the lock, and a
 torn last line (a writer that died inside a write on a file system that tears) is cut off before
-the next append: a record is in the study whole or not at all.
+the next append: a record is in the study whole or not at all. An append that fails (a full
+disk) is cut off too, and its error names the journal.
+
+Every record is checked as it is read, before Optuna applies it: a line that is not JSON, not an
+operation Optuna records, or that Optuna cannot apply (a record of another worker that names no
+trial, ...) is an error naming the journal and its line, and saying how to recover the study as
+it was before that line (``JournalDamaged``), where Optuna raised a bare JSONDecodeError or
+``AssertionError: Should not reach.``
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -40,6 +48,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
 from hvctr.formats import safefile
 from hvctr.formats.dirlock import pid_alive
+from hvctr.formats.textfile import read_json
 
 STUDY_NAME = "hvctr-sweep"
 SETTINGS = "study.json"
@@ -48,12 +57,25 @@ LOCK_GRACE_S = 30
 MAX_RETRIES = 2  # a trial whose worker died is retried at most this many times
 
 
+# Optuna 5.0.0's journal operations (optuna.storages.journal._storage.JournalOperation): 0
+# CREATE_STUDY .. 10 DISCARD_TRIALS. CREATE_TRIAL numbers the study's trials in journal order.
+JOURNAL_OPS = range(11)
+CREATE_TRIAL = 4
+
+
+class JournalDamaged(ValueError):
+    """A journal line Optuna cannot read: named, with how to get the study back."""
+
+
 class AtomicJournalBackend(JournalFileBackend):
-    """Optuna's file backend with appends that cannot interleave or leave a torn line behind."""
+    """Optuna's file backend with appends that cannot interleave or leave a torn line behind,
+    and reads that check every record (``read_logs``)."""
 
     def __init__(self, path: str, lock: JournalFileSymlinkLock) -> None:
         super().__init__(path, lock)
         self._path, self._lock_obj = path, lock
+        self._offsets: dict[int, int] = {0: 0}  # record number -> byte offset of its line
+        self.last_line, self.last_record = 0, None  # the record Optuna applies now (JournalStorage)
 
     def append_logs(self, logs: list[dict[str, Any]]) -> None:
         data = ("\n".join(json.dumps(log, separators=(",", ":")) for log in logs) + "\n").encode()
@@ -61,12 +83,86 @@ class AtomicJournalBackend(JournalFileBackend):
             fd = os.open(self._path, os.O_RDWR | os.O_APPEND)
             try:
                 _cut_torn_tail(fd)
-                view = memoryview(data)
-                while view:  # one write() on a local file; a loop for file systems that write short
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
+                size = os.fstat(fd).st_size
+                try:
+                    view = memoryview(data)
+                    while view:  # one write() on a local file; a loop for file systems that write short
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                except OSError as e:  # a full disk: what was written of the records is cut off
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, size)
+                    raise OSError(e.errno, e.strerror, self._path) from None
             finally:
                 os.close(fd)
+
+    def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
+        """The records from number ``log_number_from`` on (Optuna's reader, each record checked):
+        an unterminated last line is not read (a torn write, cut before the next append)."""
+        with open(self._path, "rb") as f:
+            end = os.fstat(f.fileno()).st_size  # appends after this are read next time
+            number = log_number_from if log_number_from in self._offsets else 0
+            pos = self._offsets[number]
+            f.seek(pos)
+            for line in f:
+                if pos + len(line) > end or not line.endswith(b"\n"):
+                    return
+                pos += len(line)
+                self._offsets[number + 1] = pos
+                number += 1
+                if number <= log_number_from:
+                    continue
+                record = self._record(line, number)
+                self.last_line, self.last_record = number, record
+                yield record
+
+    def _record(self, line: bytes, number: int) -> dict[str, Any]:
+        try:
+            record = json.loads(line)
+        except ValueError as e:  # not JSON, not UTF-8
+            raise self.damaged(number, f"not JSON ({e})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("worker_id"), str):
+            raise self.damaged(number, "not a journal record (a JSON object with a worker_id)")
+        op = record.get("op_code")
+        if type(op) is not int or op not in JOURNAL_OPS:
+            raise self.damaged(number, f"op_code {op!r} is not an operation the journal records (Optuna "
+                                       f"5.0.0's are 0..{JOURNAL_OPS[-1]})")
+        return record
+
+    def damaged(self, number: int, problem: str) -> JournalDamaged:
+        """The error for journal line ``number``: what is wrong, and how to keep the study as it
+        was before it (the trials created before that line; the later trials' directories must
+        go, or new trials of their numbers would resume them)."""
+        trials = 0
+        with contextlib.suppress(OSError), open(self._path, "rb") as f:
+            for _, line in zip(range(number - 1), f):
+                with contextlib.suppress(ValueError):
+                    trials += json.loads(line).get("op_code") == CREATE_TRIAL
+        path = Path(self._path)
+        return JournalDamaged(
+            f"{path}, line {number}: {problem}: the study cannot be read from that line on (damaged by a "
+            f"disk error or an edit). To recover the study as it was before it: stop every worker, then "
+            f"`mv {path} {path}.damaged && head -n {number - 1} {path}.damaged > {path}`; it then holds "
+            f"{trials} trial(s): move {path.parent / 'trials'}/trial-{trials:04d} and any later trial "
+            f"directories away before the workers start again (a new trial of that number would resume it)")
+
+
+class CheckedJournalStorage(JournalStorage):
+    """Optuna's JournalStorage whose replay names the journal line Optuna could not apply. The
+    errors Optuna raises on purpose for this worker's own records (a finished trial updated, a
+    study created twice) go on unchanged."""
+
+    def _sync_with_backend(self) -> None:
+        backend: AtomicJournalBackend = self._backend
+        try:
+            super()._sync_with_backend()
+        except JournalDamaged:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError) as e:
+            record = backend.last_record
+            if record is not None and record.get("worker_id") == self._replay_result.worker_id:
+                raise  # Optuna's own answer to this process's request
+            raise backend.damaged(backend.last_line, f"Optuna cannot apply it ({type(e).__name__}: {e})") from None
 
 
 def _cut_torn_tail(fd: int) -> None:
@@ -113,10 +209,10 @@ class StudyDir:
         f = self.path / SETTINGS
         if not f.is_file():
             raise ValueError(f"{self.path} is not a sweep study: {f} is missing (hvctr sweep run creates it)")
-        try:
-            return json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{f}: not JSON ({e})") from None
+        settings = read_json(f, "study settings")
+        if not isinstance(settings, dict) or not isinstance(settings.get("space"), dict):
+            raise ValueError(f"study settings {f}: not the settings of a study (no space): damaged")
+        return settings
 
     def create_or_check(self, settings: dict[str, Any]) -> dict[str, Any]:
         """The study's settings: ``settings`` for a new study; for an existing one, its own,
@@ -144,7 +240,7 @@ class StudyDir:
     def storage(self) -> JournalStorage:
         if self._storage is None:
             lock = JournalFileSymlinkLock(str(self.journal), grace_period=LOCK_GRACE_S)
-            self._storage = JournalStorage(AtomicJournalBackend(str(self.journal), lock))
+            self._storage = CheckedJournalStorage(AtomicJournalBackend(str(self.journal), lock))
         return self._storage
 
     def study(self, sampler=None, pruner=None) -> optuna.Study:
@@ -190,13 +286,16 @@ def lost_reason(run_dir: Path, started: float | None, stale_after_s: float, now:
     now = time.time() if now is None else now
     lease = run_dir / "lease.json"
     try:
-        info = json.loads(lease.read_text())
+        info = read_json(lease, "lease")
         age = now - lease.stat().st_mtime
-    except (OSError, json.JSONDecodeError):
+        if not isinstance(info, dict):
+            raise ValueError(f"{lease}: not a lease")
+    except (OSError, ValueError):
         # no lease yet: the worker died between ask and writing it, or is just writing it
         age = now - (started or now)
         return f"no lease, started {age:.0f} s ago" if age > stale_after_s else ""
-    if info.get("host") == socket.gethostname() and not pid_alive(int(info.get("pid", -1))):
+    pid = info.get("pid")
+    if info.get("host") == socket.gethostname() and not (type(pid) is int and pid_alive(pid)):
         return f"worker pid {info.get('pid')} on {info.get('host')} is gone"
     if age > stale_after_s:
         return f"worker pid {info.get('pid')} on {info.get('host')}: no heartbeat for {age:.0f} s"

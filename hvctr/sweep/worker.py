@@ -20,6 +20,7 @@ then marked failed with a retry queued that resumes it, and the worker exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -35,6 +36,9 @@ import optuna
 from optuna.trial import TrialState
 
 from hvctr.config import load_config
+from hvctr.formats import safefile
+from hvctr.formats.space import remedy
+from hvctr.formats.textfile import read_json, read_text
 from hvctr.sweep.space import Space, space_from_dict
 from hvctr.sweep.study import Lease, StudyDir, lock_held, reap
 
@@ -105,7 +109,11 @@ class Worker:
         done = failed_in_a_row = 0
         try:
             while not self.stop_signal and (self.args.max_trials == 0 or done < self.args.max_trials):
-                trial = self._next_trial()
+                try:
+                    trial = self._next_trial()
+                except OSError as e:  # the journal (reaping, asking) on a full or read-only disk
+                    raise ValueError(f"cannot write {e.filename or self.sd.journal}: {e.strerror or e}; no trial "
+                                     f"was started: {remedy(e, self.sd.path)}, then start the worker again") from None
                 if trial is None:
                     log(f"the study holds {self.args.trials} trials: nothing left to run")
                     break
@@ -136,11 +144,15 @@ class Worker:
             if len(live) + len(waiting) >= self.args.trials and not waiting:
                 return None
             trial = self.study.ask()  # a waiting retry first, else a new trial
-            run_dir = Path(trial.user_attrs.get("run_dir") or self.sd.trial_dir(trial.number))
-            trial.set_user_attr("run_dir", str(run_dir))
-            trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-            # the lease exists before the lock is released: a reaper never sees this trial leaseless
-            self.lease = Lease(run_dir, trial.number, beat_s=max(1.0, self.args.stale_after / 4))
+            try:
+                run_dir = Path(trial.user_attrs.get("run_dir") or self.sd.trial_dir(trial.number))
+                trial.set_user_attr("run_dir", str(run_dir))
+                trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+                # the lease exists before the lock is released: a reaper never sees this trial leaseless
+                self.lease = Lease(run_dir, trial.number, beat_s=max(1.0, self.args.stale_after / 4))
+            except OSError as e:
+                self.lease = None
+                raise self._cannot_write(trial, e) from None
             return trial
 
     def _run_trial(self, trial: optuna.Trial) -> TrialState | None:
@@ -161,7 +173,12 @@ class Worker:
             return None
         except TrialFailed as e:
             state, value, note = TrialState.FAIL, None, str(e)
-        self._finish(trial, t0, state, value, note)
+        except OSError as e:  # the study's disk (evals.jsonl, train.log, the journal): full, read-only
+            raise self._cannot_write(trial, e) from None
+        try:
+            self._finish(trial, t0, state, value, note)
+        except OSError as e:
+            raise self._cannot_write(trial, e) from None
         self.lease.release()  # after the tell: a reaper never sees a running trial without a lease
         if state is TrialState.FAIL:
             log(f"trial {trial.number}: failed: {note}")
@@ -177,7 +194,7 @@ class Worker:
 
     def _train(self, trial: optuna.Trial, run_dir: Path, params: dict[str, Any]) -> tuple[TrialState, float]:
         evals_file = run_dir / "evals.jsonl"
-        done = [json.loads(line) for line in evals_file.read_text().splitlines()] if evals_file.is_file() else []
+        done = _read_evals(evals_file) if evals_file.is_file() else []
         for e in done:  # a retry: what its predecessor measured, so the pruner sees it
             trial.report(e["auc"], e["eval"])
         steps = self.space.eval_steps()
@@ -191,8 +208,7 @@ class Worker:
                 raise TrialFailed(f"{run_dir}/summary.json has no validation AUC after {steps[i]} steps")
             rec = {"eval": i + 1, "step": summary["steps"], "auc": ev["auc"], "logloss": ev.get("logloss"),
                    "time": time.time()}
-            with open(evals_file, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            _append_line(evals_file, json.dumps(rec))
             done.append(rec)
             auc = rec["auc"]
             trial.report(auc, i + 1)
@@ -216,20 +232,43 @@ class Worker:
         cmd = [*shlex.split(self.args.launcher.format(ranks=self.space.ranks)), sys.executable, "-m", "mpi4py",
                "-m", "hvctr", "train", *(["--config", s["config"]] if s["config"] else []), *overrides, "--resume"]
         run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / "train.log", "a") as out:
-            out.write(f"\n# trial {trial.number}: {shlex.join(cmd)}\n")
-            out.flush()
+        _append_line(run_dir / "train.log", f"\n# trial {trial.number}: {shlex.join(cmd)}")
+        with safefile.open_append(run_dir / "train.log", "a") as out:
             self.child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
             rc = self.child.wait()
             self.child = None
+        drop_working_shards(run_dir)
         if self.stop_signal:
             raise Stopped()
         if rc != 0:
             raise TrialFailed(f"hvctr train exited with {rc} (its output: {run_dir / 'train.log'})")
         try:
-            return json.loads((run_dir / "summary.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise TrialFailed(f"hvctr train exited 0 but {run_dir / 'summary.json'} is unreadable ({e})") from None
+            summary = read_json(run_dir / "summary.json", "run summary")
+        except ValueError as e:
+            raise TrialFailed(f"hvctr train exited 0 but {e}") from None
+        if not isinstance(summary, dict):
+            raise TrialFailed(f"hvctr train exited 0 but {run_dir / 'summary.json'} is not a summary")
+        return summary
+
+    def _cannot_write(self, trial: optuna.Trial, e: OSError) -> ValueError:
+        """The error that stops this worker when a file of the study cannot be written. The
+        trial is marked failed when the journal still takes it (its lease then goes); else it
+        stays running, and the next worker reaps it (hvctr.sweep.study.reap): at once where its
+        lease names this worker's pid (gone by then), else once it is --stale-after old."""
+        self._kill_child()
+        where = e.filename or self.sd.path
+        note = f"cannot write {where}: {e.strerror or e}"
+        try:
+            self._finish(trial, time.time(), TrialState.FAIL, None, note)
+        except (OSError, optuna.exceptions.UpdateFinishedTrialError):
+            when = ("at once (its lease names this worker, whose pid will be gone)" if self.lease is not None
+                    else f"once it has run --stale-after ({self.args.stale_after:g} s) without a lease")
+            told = f"the journal could not record that trial {trial.number} failed: the next worker marks it so {when}"
+        else:
+            told = f"trial {trial.number} is marked failed"
+            if self.lease is not None:
+                self.lease.release()
+        return ValueError(f"{note}; {told}; {remedy(e, self.sd.path)}, then start the workers again")
 
     def _tell_interrupted(self, trial: optuna.Trial, run_dir: Path, t0: float) -> None:
         """Stopped by a signal: the trial fails, and a retry queued with the same parameters
@@ -255,6 +294,46 @@ class TrialFailed(Exception):
     pass
 
 
+def drop_working_shards(run_dir: Path) -> None:
+    """Removes the working shards hvctr train left in a trial's run directory (``shards/``, where
+    no storage.shard_dir, hardware-map SSD or node-local scratch takes them). Every start rebuilds
+    them from the checkpoint, so between a trial's chunks and after it they are dead weight: a
+    few hundred MB a trial, for every trial of the study. A link planted there is left alone."""
+    shards = run_dir / "shards"
+    try:
+        if not safefile.check_dir(shards):
+            return
+    except safefile.PlantedPathError:
+        return
+    for f in [*shards.glob("shard-r[0-9][0-9][0-9][0-9][0-9].h5"), *shards.glob("shard-r*.h5.*.tmp")]:
+        safefile.remove_quietly(f)
+    with contextlib.suppress(OSError):
+        shards.rmdir()  # only when empty: nothing of anyone else's goes
+
+
+def _read_evals(path: Path) -> list[dict[str, Any]]:
+    """The evaluations a trial recorded (evals.jsonl): a line cut by a full disk is left out."""
+    out = []
+    for n, line in enumerate(read_text(path, "trial evaluations").splitlines(), start=1):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            log(f"{path}, line {n}: not an evaluation record (cut by a full disk?): left out")
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("auc"), float) and isinstance(rec.get("eval"), int):
+            out.append(rec)
+    return out
+
+
+def _append_line(path: Path, line: str) -> None:
+    """``line`` appended to ``path`` in one write (never through a planted link); an OSError names it."""
+    try:
+        with safefile.open_append(path, "a") as f:
+            f.write(line + "\n")
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the worker dies, even by SIGKILL (Linux prctl), so a
     killed worker's hvctr train never runs on beside the retry that resumes its run directory."""
@@ -277,13 +356,12 @@ def settings_from_args(args: argparse.Namespace, overrides: list[str]) -> dict[s
             raise ValueError("--config and overrides are the study's: give them with --space (the first worker), "
                              "or leave all three out to join the study as recorded")
         return {}
-    import tomllib
+    from hvctr.formats.tomlfile import read_toml
 
-    from hvctr.sweep.space import load_space
-
-    load_space(args.space)  # checks it, with the file's name in any error
+    space = read_toml(args.space, "search space")  # read once: what is checked is what is recorded
+    space_from_dict(space, args.space)  # checks it, with the file's name in any error
     load_config(args.config, overrides)  # the base config must load
-    return {"space": tomllib.loads(Path(args.space).read_text()),
+    return {"space": space,
             "config": str(Path(args.config).resolve()) if args.config else "",
             "overrides": list(overrides), "sampler": args.sampler, "pruner": args.pruner, "seed": args.seed,
             # recorded only when off, so that studies made before the baseline existed still match

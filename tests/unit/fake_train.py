@@ -6,7 +6,8 @@ minute. Each call is recorded in <run_dir>/calls.txt (its max_steps and pid).
 
 FAKE_TRAIN_SLEEP=S, FAKE_TRAIN_SLEEP_FROM=N: sleep S seconds first when max_steps >= N; SIGUSR1
 ends it with 75, as it does hvctr train (after a checkpoint). FAKE_TRAIN_FAIL=TEXT: exit 3 when
-the run directory's name contains TEXT.
+the run directory's name contains TEXT. Like hvctr train without storage.shard_dir, it leaves a
+working shard under the run directory (shards/shard-r00000.h5, 64 KiB here).
 """
 
 import json
@@ -29,6 +30,8 @@ if os.environ.get("FAKE_TRAIN_FAIL") and os.environ["FAKE_TRAIN_FAIL"] in run.na
     sys.exit(3)
 if steps >= int(os.environ.get("FAKE_TRAIN_SLEEP_FROM", "0")):
     time.sleep(float(os.environ.get("FAKE_TRAIN_SLEEP", "0")))
+(run / "shards").mkdir(exist_ok=True)
+(run / "shards" / "shard-r00000.h5").write_bytes(bytes(64 << 10))
 lr = float(args.get("train.dense_lr", 1e-3))
 auc = 0.76 - 0.03 * (math.log10(lr) + 2) ** 2 - 0.05 / steps
 (run / "summary.json").write_text(json.dumps({"steps": steps, "eval": {"auc": auc, "logloss": 1 - auc}}))
