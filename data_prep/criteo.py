@@ -45,6 +45,7 @@ from hvctr.formats.dirlock import DirLock
 from hvctr.data.manifest import read_manifest
 from hvctr.formats.space import check_free_space
 from hvctr.formats import NUM_DENSE, NUM_FIELDS, SPLITS, KeySketch
+from hvctr.formats import safefile
 from hvctr.formats.sources import (Source, Unit, assign_units, count_lines, iter_blocks, line_start_at,
                                make_units, nth_newline, open_sources)
 from hvctr.log import get_logger, setup_logging
@@ -391,6 +392,7 @@ class Tracker:
     def plan(self) -> Plan:
         job = self.job
         sources = open_sources([*job.inputs, *job.valid_inputs], job.format)
+        _check_shards_fit(job, sources[:len(job.inputs)])  # before anything is written
         _prepare_out_dir(job.out)
         self.lock = output_lock(job.out).acquire()  # before the manifest is read: one job per --out
         if self.lock.stale:
@@ -491,7 +493,14 @@ class Tracker:
         self.dirty = False
 
     def assembly(self) -> Assembly:
-        return _assembly(self.manifest, self.job)
+        try:
+            return _assembly(self.manifest, self.job)
+        except TooManyShards:
+            # no shard was written; what this job parsed is of no use to another --shards (its
+            # pieces are cut by it): removed, so that the same --out takes the next attempt
+            shutil.rmtree(self.job.work_dir, ignore_errors=True)
+            safefile.remove_quietly(self.path)
+            raise
 
     def finish(self, t0: float) -> None:
         """Totals, then the complete manifest (the job's elapsed time ends there), then cleanup."""
@@ -668,6 +677,12 @@ def _assembly(m: dict, job: Job) -> Assembly:
         rows["train"] += train
         rows["valid"] += valid
     m["bad_lines"] = _bad_lines(m)
+    empty = int((rows["train"] == 0).sum())
+    if empty and rows["train"].sum():
+        train = int(rows["train"].sum())
+        raise TooManyShards(f"--shards {job.shards:,}: the input holds {train:,} training rows, so {empty:,} of the "
+                            f"{job.shards:,} train shards would be empty (a training rank reads whole shards): "
+                            f"no shard was written; use --shards {min(job.shards, train):,} or fewer")
     if rows["train"].sum() + rows["valid"].sum() == 0:
         raise ValueError(f"no valid rows in the input: {len(m['bad_lines'])} lines, all rejected"
                          + (f" (first: {_fmt_bad(m['bad_lines'][0])})" if m["bad_lines"] else ""))
@@ -676,6 +691,26 @@ def _assembly(m: dict, job: Job) -> Assembly:
                   "valid_inputs": list(job.valid_inputs), "lines": total_lines, "cutoff_line": cutoff}
     todo = [s for s in range(job.shards) if not all(m["shards"][sp][s] for sp in SPLITS)]
     return Assembly(pieces, cutoff, {k: [int(x) for x in v] for k, v in rows.items()}, todo)
+
+
+class TooManyShards(ValueError):
+    """More train shards than training rows: some would be empty files."""
+
+
+MIN_LINE_BYTES = formats.NUM_COLS + 1  # a label, 39 empty fields: 40 characters and a newline
+
+
+def _check_shards_fit(job: Job, inputs: list[Source]) -> None:
+    """Refuses, before anything is parsed or written, a --shards that plain --input files cannot
+    fill: they hold at most size / MIN_LINE_BYTES lines (gzip inputs: known after the parse)."""
+    if not inputs or any(s.gzip for s in inputs):
+        return
+    most = sum(max(s.size - s.data_start, 0) for s in inputs) // MIN_LINE_BYTES
+    if job.shards > most:
+        size = sum(s.size for s in inputs)
+        raise ValueError(f"--shards {job.shards:,}: the --input files ({size:,} bytes) hold at most {most:,} lines "
+                         f"(a line is at least {MIN_LINE_BYTES} bytes), so most train shards would be empty (a "
+                         f"training rank reads whole shards): use --shards {max(most, 1):,} or fewer")
 
 
 def _bad_lines(m: dict) -> list[dict]:

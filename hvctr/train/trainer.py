@@ -98,6 +98,7 @@ class Trainer:
         self._ws_rows = 0  # rows of the last window's working set
         self._merge_ms = 0.0  # dense merge + sparse push of the last window
         self.preempted = False
+        self._checkpointed_step: int | None = None  # the step the newest checkpoint holds (this run's)
         if start:
             self._load(*start)
         self._samples_at_start = self.state.samples
@@ -183,7 +184,7 @@ class Trainer:
         finally:
             source.close()
         self.meter.seconds["io"] += source.read_seconds if not self.cfg.data.prefetch else 0.0
-        if not self.preempted:
+        if not self.preempted and self.state.step != self._checkpointed_step:  # not twice at one step
             self.save_checkpoint()
         return self.summary(prefetch_read_s=source.read_seconds)
 
@@ -353,6 +354,7 @@ class Trainer:
             path = self.ckpt.save(self.store, self._dense_state(), self.state,
                                   extra={"mode": self.cfg.merge.mode.value, "train_dir": self._train_dir(),
                                          "init_from": self.lineage})
+        self._checkpointed_step = self.state.step
         kind = (self.ckpt.last_manifest() or {}).get("kind", "?")
         log.info(f"checkpoint {path.name} ({kind}) written at step {self.state.step} in {time.monotonic() - t0:.1f} s")
 
@@ -424,6 +426,7 @@ class Trainer:
             if self.state.batch >= self.data.batches_per_epoch:  # a resharded position past this size's epoch
                 self.state.epoch, self.state.batch = self.state.epoch + 1, 0
             self.lineage = manifest.get("init_from")
+            self._checkpointed_step = self.state.step if src is self.ckpt else None
             log.info(f"resumed from checkpoint {manifest['seq']} at step {self.state.step} "
                      f"(epoch {self.state.epoch}, batch {self.state.batch}) in {time.monotonic() - t0:.1f} s")
             return
