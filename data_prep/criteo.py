@@ -706,7 +706,7 @@ def _check_shards_fit(job: Job, inputs: list[Source]) -> None:
     if not inputs or any(s.gzip for s in inputs):
         return
     most = sum(max(s.size - s.data_start, 0) for s in inputs) // MIN_LINE_BYTES
-    if job.shards > most:
+    if most and job.shards > most:  # (none: not one line fits; the parse says what is wrong with it)
         size = sum(s.size for s in inputs)
         raise ValueError(f"--shards {job.shards:,}: the --input files ({size:,} bytes) hold at most {most:,} lines "
                          f"(a line is at least {MIN_LINE_BYTES} bytes), so most train shards would be empty (a "

@@ -120,8 +120,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-# What the readers of a checkpoint manifest use (resume, export, reshard, preflight), checked
-# before any of it is: a resealed manifest with a key missing or of another type is damaged.
+# What the loaders of a checkpoint use of its manifest (resume and --init-from, export, reshard),
+# checked before any of it is (manifest_problem): a resealed manifest with a key missing or of
+# another type is damaged, as one that fails its checksum.
 MANIFEST_FIELDS = {
     "format_version": int, "seq": int, "kind": OneOf(("base", "delta")), "base_seq": int, "chain": [int],
     "world_size": int, "files": [dict],
@@ -131,17 +132,24 @@ MANIFEST_FIELDS = {
 }
 
 
+def manifest_problem(directory: str | Path, manifest: dict[str, Any]) -> str:
+    """'' when ``manifest`` (of a checkpoint under ``directory``) holds every key its loaders
+    use, of its type (MANIFEST_FIELDS); else what is wrong, naming the file and the key."""
+    problem = field_problem(manifest, MANIFEST_FIELDS)
+    if not problem:
+        return ""
+    where = checkpoint_path(directory, manifest["seq"]) / "manifest.json" if type(manifest.get("seq")) is int \
+        else Path(directory)
+    return f"{where}: {problem}: damaged or not written by hvctr"
+
+
 def read_manifests(directory: str | Path) -> list[dict[str, Any]]:
     """Manifests of the complete checkpoints under ``directory``, newest first; a damaged one
-    (not JSON, not its own checksum, a key its readers use missing or of another type) is
-    left out with a warning (its checkpoint is then incomplete)."""
+    is left out with a warning (its checkpoint is then incomplete)."""
     out = []
     for path in Path(directory).glob(f"{_PREFIX}*/manifest.json"):
         try:
             manifest = read_manifest(path)
-            problem = field_problem(manifest, MANIFEST_FIELDS)
-            if problem:
-                raise ValueError(f"{problem}: damaged or not written by hvctr")
             problem = plain_file(Path(directory), f"{path.parent.name}/{path.name}")
             seq = manifest.get("seq")
             if not problem and (not path.parent.name[len(_PREFIX):].isdigit() or type(seq) is not int
@@ -255,6 +263,9 @@ def check_rank_file(directory: str | Path, manifest: dict[str, Any], rank: int, 
     directory, of the listed size and sha256 (``verify``), written for this rank and world size,
     rows of ``width`` columns (when given) that the file holds in full, a valid bucket table.
     Returns (problem or '', its row width, its bucket table or None when it has none)."""
+    problem = manifest_problem(directory, manifest)
+    if problem:
+        return problem, 0, None
     seq, ws = manifest.get("seq"), manifest.get("world_size")
     if type(ws) is not int or ws < 1:
         return f"checkpoint {seq}: world_size {ws!r} is not a number of ranks", 0, None

@@ -17,7 +17,8 @@ import numpy as np
 
 from hvctr.checkpoint.format import (
     _LOAD_CHUNK, _PREFIX, FORMAT_VERSION, CheckpointWriteError, TrainState, _rank_file, _seq_of,
-    check_rank_file, checkpoint_path, file_sha256, kernel_path_change, rank_file_path, read_bucket_owner, read_manifests,
+    check_rank_file, checkpoint_path, file_sha256, kernel_path_change, manifest_problem, rank_file_path,
+    read_bucket_owner, read_manifests,
     write_manifest, write_reserved,
 )
 from hvctr.distributed.world import AgreedError, group_errors, raise_agreed
@@ -171,6 +172,9 @@ class CheckpointManager:
 
     def _verify_mine(self, manifest: dict[str, Any], by_seq: dict[int, dict[str, Any]]) -> str:
         """'' when this rank's files of the chain exist and match their checksums, else why not."""
+        problem = manifest_problem(self.dir, manifest)  # every key load() uses, of its type
+        if problem:
+            return problem
         if manifest["world_size"] != self.comm.size:
             return (f"checkpoint {manifest['seq']} was written by {manifest['world_size']} ranks, this run "
                     f"has {self.comm.size}: reshard it first (hvctr reshard --checkpoint "

@@ -14,8 +14,8 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
-from hvctr.checkpoint.format import (_PREFIX, _seq_of, check_rank_file, checkpoint_path, locate, rank_file_path,
-                                     read_bucket_owner, read_manifests)
+from hvctr.checkpoint.format import (_PREFIX, _seq_of, check_rank_file, checkpoint_path, locate, manifest_problem,
+                                     rank_file_path, read_bucket_owner, read_manifests)
 from hvctr.formats import default_bucket_owner
 from hvctr.log import get_logger
 
@@ -62,6 +62,9 @@ class CheckpointReader:
             log.warning(f"{self.dir}: skipped {problem}; using checkpoint {self.seq}")
 
     def _check(self, m: dict[str, Any], verify: bool) -> str:
+        problem = manifest_problem(self.dir, m)  # every key a reader uses, of its type
+        if problem:
+            return problem
         ws, chain = m.get("world_size"), m.get("chain")
         if type(ws) is not int or ws < 1:
             return f"world_size {ws!r} is not a number of ranks"

@@ -20,8 +20,12 @@ so a half-written one is no checkpoint. Per new rank r:
   least its count);
 - TTL pass clock: the source's; the bucket table: the new one, in every file.
 Training state: the same epoch and window; the batch position within the epoch is scaled by
-W / W2, so the run continues after about as many samples (rank r of W2 reads the data shards
-s with s % W2 == r: the same samples in another order, not the same batches).
+W / W2 (for a run that keeps its rows per rank), and ``resharded_from.epoch_rows`` records the
+samples the epoch had trained (from the batch size the checkpoint records), which the resumed
+run takes in its own batches (hvctr.train.feed.TrainData.resharded_position), a fixed global
+batch included. Rank r of W2 reads the data shards s with s % W2 == r: the rest of that epoch
+is not the rest of the same samples; docs/checkpoints.md says what it trains twice and leaves
+out (hvctr.data.layout counts it), and a reshard at an epoch boundary is exact.
 """
 
 from __future__ import annotations
@@ -174,7 +178,11 @@ def _rank_state(reader: CheckpointReader, rank: int, world_size: int, old: np.nd
 def _manifest(reader: CheckpointReader, world_size: int, files: list[dict], origin: dict) -> dict[str, Any]:
     m = dict(reader.manifest)
     state = dict(m["state"])
-    state["batch"] = state["batch"] * reader.world_size // world_size
+    per_rank = m.get("batch_size_per_rank")
+    if type(per_rank) is int:  # the epoch's position in samples: the resumed run takes it in its own batches
+        origin = {**origin, "batch_size_per_rank": per_rank,
+                  "epoch_rows": state["batch"] * per_rank * reader.world_size}
+    state["batch"] = state["batch"] * reader.world_size // world_size  # the same per-rank batch assumed
     m.update({"format_version": FORMAT_VERSION, "kind": "base", "base_seq": m["seq"], "chain": [m["seq"]],
               "world_size": world_size, "state": state, "files": files, "resharded_from": origin})
     return m

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hvctr.config import DataConfig, DataVerify
+from hvctr.data.layout import reshard_coverage
 from hvctr.data.reader import NUM_DENSE, NUM_FIELDS, ShardReader, read_stamp, write_stamp
 from hvctr.distributed.world import AgreedError
 from hvctr.log import get_logger
@@ -119,6 +120,28 @@ class TrainData:
         log.info(f"data: {hashed} of {files} train shard files checked against the manifest's checksums "
                  f"({why}) in {slowest:.1f} s" + (f"; stamp written to {path}" if path else "")
                  + " (data.verify = stamp)")
+
+    def resharded_position(self, origin: dict, batch: int, epoch: int) -> tuple[int, str]:
+        """(the batch to continue the epoch at, a note on that epoch) for a run resumed from a
+        checkpoint ``hvctr reshard`` wrote (``origin``: its manifest's ``resharded_from``).
+        The position is the samples the epoch had trained (``epoch_rows``): W B rows a step
+        before, W' B' now, so it holds at a fixed data.global_batch_size too, where the batch
+        the reshard scaled by W / W' (the same B assumed) was off by that factor. Checkpoints
+        from before ``epoch_rows`` keep that batch, and no note."""
+        rows, per_rank = origin.get("epoch_rows"), origin.get("batch_size_per_rank")
+        if type(rows) is not int or type(per_rank) is not int or not rows:
+            return batch, ""
+        step = self.cfg.batch_size_per_rank * self.comm.size
+        batch = rows // step
+        shard_rows = np.array([r["rows"] for r in self._reader.manifest["shards"]["train"]], dtype=np.int64)
+        c = reshard_coverage(shard_rows, (origin["world_size"], per_rank, rows // (per_rank * origin["world_size"])),
+                             (self.comm.size, self.cfg.batch_size_per_rank, batch))
+        return batch, (f"resumed mid-epoch after hvctr reshard from {origin['world_size']} to {self.comm.size} ranks: "
+                       f"epoch {epoch} had trained {c.before:,} of its {c.rows:,} rows; its rest, in this size's "
+                       f"layout, trains {c.twice:,} of them again and leaves out {c.left_out:,} rows an epoch of "
+                       f"{self.comm.size} rank(s) trains (it leaves out {c.dropped:,}, its remainders); from epoch "
+                       f"{epoch + 1} on, every row once an epoch (hvctr.data.layout; a reshard at an epoch "
+                       f"boundary is exact)")
 
     def reader_for_epoch(self, epoch: int) -> _WindowReader:
         return _WindowReader(self._reader)

@@ -353,7 +353,8 @@ class Trainer:
         with self.meter.phase("io"):
             path = self.ckpt.save(self.store, self._dense_state(), self.state,
                                   extra={"mode": self.cfg.merge.mode.value, "train_dir": self._train_dir(),
-                                         "init_from": self.lineage})
+                                         "init_from": self.lineage,
+                                         "batch_size_per_rank": self.cfg.data.batch_size_per_rank})
         self._checkpointed_step = self.state.step
         kind = (self.ckpt.last_manifest() or {}).get("kind", "?")
         log.info(f"checkpoint {path.name} ({kind}) written at step {self.state.step} in {time.monotonic() - t0:.1f} s")
@@ -423,6 +424,11 @@ class Trainer:
         where = checkpoint_path(src.dir, manifest["seq"])
         if how == "resume":
             self.state = TrainState(**manifest["state"])
+            if isinstance(manifest.get("resharded_from"), dict):  # the epoch's samples, in this size's batches
+                self.state.batch, note = self.data.resharded_position(manifest["resharded_from"], self.state.batch,
+                                                                      self.state.epoch)
+                if note:
+                    log.warning(note)
             if self.state.batch >= self.data.batches_per_epoch:  # a resharded position past this size's epoch
                 self.state.epoch, self.state.batch = self.state.epoch + 1, 0
             self.lineage = manifest.get("init_from")

@@ -4,8 +4,8 @@ output (issue 28, item 9).
 Anyone can reseal a manifest (its checksum is of its own content), so a crafted one passes that
 check and its readers then indexed it: KeyError and TypeError tracebacks. Now every key a reader
 uses is checked first (hvctr.formats.fields): an export's manifest is refused by ``hvctr score``
-naming the key; a checkpoint's is left out with a warning naming the key (export, reshard and
-resume take the newest complete checkpoint before it). Also: ``hvctr score --threads 0`` is one
+naming the key; a checkpoint's is passed over with a warning naming the file and the key (export,
+reshard and resume take the newest checkpoint before it that loads). Also: ``hvctr score --threads 0`` is one
 message (a RuntimeError traceback from torch), and ``hvctr score ... | head`` ends quietly with
 128 + SIGPIPE, as Unix tools do (it printed "--out None: cannot write it: Broken pipe", rc 2).
 
@@ -82,7 +82,8 @@ def test_a_resealed_checkpoint_manifest_with_a_bad_key_is_passed_over_naming_it(
     reseal(manifest, edit)
     assert CheckpointReader(run_dir).seq == 0  # the newest complete checkpoint before it
     export(run_dir, tmp_path / "E")  # and export goes on from it, where it raised KeyError('state')
-    assert f"ignoring checkpoint manifest {manifest}: {problem}: damaged or not written by hvctr" in caplog.text
+    assert (f"{ckdir}: skipped checkpoint 1: {manifest}: {problem}: damaged or not written by hvctr; using "
+            f"checkpoint 0") in caplog.text
 
 
 def test_the_field_check_says_what_is_wrong_and_passes_what_is_right():
