@@ -21,7 +21,7 @@ from hvctr.cli import main
 from hvctr.config import load_config
 from tests.conftest import REPO
 
-LATIN1 = "# r\xe9glages\n".encode("latin-1")  # an editor's Latin-1 "é" on line 1, column 4
+LATIN1 = "# r\xe9glages\n".encode("latin-1")  # an editor's Latin-1 e-acute on line 1, column 4
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:
