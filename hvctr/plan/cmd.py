@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from hvctr.config import Compression, Config, MergeMode, load_config
+from hvctr.plan.gpus import spec_for
 from hvctr.plan.keyfreq import KeyCurve, data_curve, zipf_curve
 from hvctr.plan.model import NO_FIT, Job, NodeInfo, Plan, plan
 from hvctr.plan.rates import load_rates
@@ -81,7 +82,11 @@ def _gpu_memory(hwmap: HardwareMap, given: int) -> tuple[float, str]:
         return float(given), ""
     m = re.search(r"(\d+)\s*GB", hwmap.gpus[0].model, re.IGNORECASE)
     if not m:
-        return 0.0, ""
+        spec = spec_for(hwmap.gpus[0].model)
+        if spec is None:
+            return 0.0, ""
+        return spec.memory_bytes, (f"GPU memory {spec.memory_bytes / 1e9:g} GB: the datasheet of the {spec.name} "
+                                   f"(the map's model {hwmap.gpus[0].model!r})")
     return int(m.group(1)) * 1e9, f"GPU memory {m.group(1)} GB read from the map's model name {hwmap.gpus[0].model!r}"
 
 
@@ -115,7 +120,7 @@ def node_info(hwmap: HardwareMap, ranks_per_node: int, threads: int = 0, ssd_byt
         threads = 1 if not hwmap.gpus and ranks_per_node >= cpus else max(len(plans[0].cpus), 1)
     return NodeInfo(name=hwmap.name, cpus=cpus, threads_per_rank=threads,
                     host_memory_bytes=sum(n.memory_gib for n in hwmap.numa) * 2**30, gpus=len(hwmap.gpus),
-                    gpu_memory_bytes=gpu_mem, ssd_bytes=ssd, ranks_per_ssd=per_ssd,
+                    gpu_memory_bytes=gpu_mem, gpu_model=hwmap.gpus[0].model if hwmap.gpus else "", ssd_bytes=ssd, ranks_per_ssd=per_ssd,
                     notes=tuple(notes + ([gpu_note] if gpu_note else [])))
 
 
@@ -233,6 +238,9 @@ def format_plan(p: Plan, rates_from: str) -> str:
         f"{_t(f['shard_read_s_per_step'])} of it)",
         f"  step               {_t(f['step_s'])}: {f['samples_per_s_per_rank']:,.0f} samples/s per rank, "
         f"{f['samples_per_s']:,.0f} in all; bound by {f['bound_by']}",
+        f"  exposed            {_t(f['exposed_non_compute_s_per_step'])} of the step is not compute "
+        f"({f['exposed_non_compute_s_per_step'] / f['step_s']:.0%}: the main thread's pull and merge, and the prefetch where "
+        f"it outlasts them); compute: {f['compute_source']}",
         "",
         "what fits",
     ]

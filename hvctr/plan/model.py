@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from hvctr.config import Compression, MergeMode, MergeStates, ModelArch, ModelConfig
 from hvctr.formats import NUM_BUCKETS, SAMPLE_BYTES
+from hvctr.plan.gpus import GpuRates, gpu_rates
 from hvctr.plan.keyfreq import KeyCurve
 from hvctr.plan.rates import Rates
 from hvctr.storage.cache import entries_for_budget
@@ -102,6 +103,7 @@ class NodeInfo:
     host_memory_bytes: float = 0.0  # per node
     gpus: int = 0
     gpu_memory_bytes: float = 0.0  # per GPU
+    gpu_model: str = ""  # the map's name of its GPUs (hvctr.plan.gpus reads the datasheet from it)
     ssd_bytes: float = 0.0  # per rank's SSD directory (its file system)
     ranks_per_ssd: int = 1  # ranks whose shards share one SSD
     notes: tuple[str, ...] = ()
@@ -211,8 +213,23 @@ class _Costs:
         return self.r.allreduce_latency_s + self.copy(2 * payload) + self._links(intra, nic)
 
 
+def gpu_step_s(job: Job, g: GpuRates, batch_rows: float) -> float:
+    """One step's device time on a GPU: the dense model's FLOPs, the memory-bound kernels' bytes
+    (the gather of B F rows and its gradient sum, lazy Adam of the batch's rows, dense Adam) and
+    a launch per kernel (5 a linear layer forward and backward, about 26 besides)."""
+    B, D, F = job.batch_size_per_rank, job.dim, job.model.num_fields
+    layout = RowLayout(D)
+    P = dense_params(job.model, D)
+    flops = dense_flops_per_sample(job.model, D) * B
+    moved = (4 * B * F * layout.model_width * 4  # gather: rows read, copies written; backward: the same
+             + batch_rows * (2 * layout.row_bytes + 4 * layout.model_width)  # lazy Adam: rows in and out, grads
+             + 28 * P)  # dense Adam: p, g, m, v read, p, m, v written
+    kernels = 5 * len(linear_layers(job.model, D)) + 26
+    return flops / g.flops_per_s + moved / g.bytes_per_s + kernels * g.kernel_s
+
+
 def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float, shard_rate: float,
-                  on_device: bool, threads: int) -> dict[str, float]:
+                  on_device: bool, threads: int, gpu: GpuRates | None = None) -> dict[str, float]:
     """Seconds of each phase of one window on one rank (see the module docstring)."""
     r, W, k, B, D = c.r, job.world_size, job.k, job.batch_size_per_rank, job.dim
     F = job.model.num_fields
@@ -225,7 +242,8 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     warm = (2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES) + c.cpu * u_o / r.cache_rows_per_s + shard_read
             if job.prefetch else 0.0)
     prep = c.cpu * k * B / r.data_rows_per_s + c.unique(2 * k * B * F) + r.allreduce_latency_s + warm
-    dev = (u * row / r.device_bytes_per_s) if on_device and r.device_bytes_per_s else 0.0
+    link = r.device_bytes_per_s or (gpu.host_link_bytes_per_s if gpu else 0.0)
+    dev = (u * row / link) if on_device and link else 0.0
     store = (c.cpu * (max(u_o - new_o, 0.0) / r.cache_rows_per_s + new_o / max(r.new_rows_per_s, 1e-9))
              + (0.0 if job.prefetch else shard_read))
     pull = (2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES) + store + c.alltoall(u * f * row)
@@ -235,8 +253,11 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     cpu_compute = 1.0 if on_device else c.cpu  # an accelerator is not shared with other ranks' threads
     # Rates are one thread's; on the CPU, torch's threads share the matrix products (assumed linear).
     dense_threads = 1 if on_device else max(threads, 1)
-    step = (cpu_compute * (flops / (r.compute_flops_per_s * dense_threads) + P / r.dense_adam_params_per_s
-                           + B * F / r.sparse_keys_per_s + u_b / r.sparse_rows_per_s + r.step_overhead_s))
+    if on_device and gpu is not None:
+        step = gpu_step_s(job, gpu, u_b)
+    else:
+        step = (cpu_compute * (flops / (r.compute_flops_per_s * dense_threads) + P / r.dense_adam_params_per_s
+                               + B * F / r.sparse_keys_per_s + u_b / r.sparse_rows_per_s + r.step_overhead_s))
     compute = k * step
     one = dense_payload_bytes(P, job.mode, job.states, job.compression)
     dense_merge = job.dense_merges(k) * c.allreduce(one)  # each a grouped allreduce of its own
@@ -295,8 +316,14 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     shard_in_ram = node.host_memory_bytes > 0 and free >= job.ranks_per_node * shard["total"]
     shard_rate = rates.shard_rows_per_s if shard_in_ram else rates.disk_rows_per_s
     cpu = _stretch(job, node, rates)
+    gpu = (gpu_rates(node.gpu_model, rates.gpu_flops_per_s, rates.gpu_bytes_per_s, rates.gpu_kernel_s)
+           if on_device else None)
+    if on_device:
+        notes.append(f"GPU compute: {gpu.source}" if gpu else
+                     f"GPU compute: the GPU {node.gpu_model!r} is not one hvctr.plan.gpus knows and the rates file "
+                     "has no gpu_flops_per_s: the step's compute comes from the rates file's compute figures")
     t = _window_times(job, _Costs(rates, cpu, job.nodes, job.ranks_per_node), curve, hit, new_o, shard_rate,
-                      on_device, node.threads_per_rank)
+                      on_device, node.threads_per_rank, gpu)
     spare_core = node.cpus / job.ranks_per_node >= node.threads_per_rank + 1
     main = t["pull"] + t["compute"] + t["merge"]
     overlapped = job.prefetch and spare_core
@@ -329,6 +356,9 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         "sparse_bytes_per_step": sum(sparse.values()) / k,
         **{f"{name}_s_per_step": v / k for name, v in t.items()},
         "step_s": window / k, "bound_by": max(phases, key=phases.get),
+        # time of the main thread's step that is not compute: nothing of the window's end overlaps today
+        "exposed_non_compute_s_per_step": (window - t["compute"]) / k,
+        "compute_source": gpu.source if gpu else ("the rates file (GPU unknown)" if on_device else "the rates file"),
         "samples_per_s_per_rank": B * k / window, "samples_per_s": W * B * k / window,
     }
     p = Plan(job, node, rates, curve, figures, [], notes)

@@ -48,6 +48,9 @@ DOC = {
     "nic_bytes_per_s": "across nodes, bytes/s per node; 0: not measured (one node)",
     "device_bytes_per_s": "host <-> accelerator copies, bytes/s; 0: no accelerator (the working set stays on the host)",
     "flush_rows_per_s": "dirty cached rows written back to the shard (end of pass, checkpoint), rows/s; 0: unknown",
+    "gpu_flops_per_s": "GPU nodes: the dense model's forward + backward on the GPU, FLOP/s; 0: the map's GPU datasheet, derated (hvctr.plan.gpus)",
+    "gpu_bytes_per_s": "GPU nodes: memory-bound kernels (gather, gradient sums, Adam), bytes/s; 0: the datasheet's HBM bandwidth, derated",
+    "gpu_kernel_s": "GPU nodes: one kernel's launch and dispatch, seconds; 0: assumed (hvctr.plan.gpus.KERNEL_S)",
 }
 
 
@@ -73,6 +76,9 @@ class Rates:
     nic_bytes_per_s: float = 0.0
     device_bytes_per_s: float = 0.0
     flush_rows_per_s: float = 0.0
+    gpu_flops_per_s: float = 0.0
+    gpu_bytes_per_s: float = 0.0
+    gpu_kernel_s: float = 0.0
 
 
 @dataclass(frozen=True)

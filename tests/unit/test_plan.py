@@ -222,3 +222,58 @@ def test_rates_file_round_trip_and_errors(tmp_path):
         load_rates(path)
     with pytest.raises(ValueError, match="does not exist.*hvctr bench --calibrate"):
         load_rates(tmp_path / "missing.toml")
+
+
+def test_a_gpu_node_takes_its_compute_from_the_gpus_datasheet_not_the_cpu_rates():
+    """A GPU map with a CPU's rates file (issue 32: the DGX projection put an A100's step at
+    the VM's 115 ms): the step's compute is the GPU's FLOPs, kernel bytes and launches at the
+    A100's datasheet figures derated by hvctr.plan.gpus, written out here by hand."""
+    from hvctr.plan.gpus import BANDWIDTH_EFFICIENCY, KERNEL_S, MATMUL_EFFICIENCY
+
+    curve = zipf_curve(10**6, 1.1, 26)
+    gpu_node = dataclasses.replace(NODE, cpus=16, gpus=1, gpu_memory_bytes=40e9, gpu_model="A100-SXM4-40GB")
+    f = plan(_job(), gpu_node, RATES, curve).figures
+    cfg, B, F, D = ModelConfig(), 4096, 26, 16
+    row, width = 4 * (3 * (D + 1) + 1), D + 1
+    P = dense_params(cfg, D)
+    moved = 4 * B * F * width * 4 + curve(B) * (2 * row + 4 * width) + 28 * P
+    kernels = 5 * 3 + 26  # three linear layers (512, 256, 1)
+    by_hand = (dense_flops_per_sample(cfg, D) * B / (19.5e12 * MATMUL_EFFICIENCY)
+               + moved / (1.555e12 * BANDWIDTH_EFFICIENCY) + kernels * KERNEL_S)
+    assert f["compute_s_per_step"] == pytest.approx(by_hand)
+    assert f["compute_s_per_step"] < 2e-3  # a millisecond or so, not the CPU rates' tens of ms
+    assert "assumed from the datasheet of the A100 40GB" in f["compute_source"]
+    cpu = plan(_job(), NODE, RATES, curve).figures
+    assert cpu["compute_s_per_step"] > 20 * f["compute_s_per_step"]
+    assert f["exposed_non_compute_s_per_step"] == pytest.approx(f["step_s"] - f["compute_s_per_step"])
+    # the working set crosses PCIe (Gen4, 25 GB/s) both ways when the rates file has no host-device figure
+    no_link = plan(_job(), dataclasses.replace(gpu_node, gpu_model="A100-SXM4-40GB"),
+                   dataclasses.replace(RATES, device_bytes_per_s=1e15), curve).figures
+    assert f["pull_s_per_step"] - no_link["pull_s_per_step"] == pytest.approx(
+        (curve(8 * B) * row / 25e9 - curve(8 * B) * row / 1e15) / 8, rel=1e-6)
+
+
+def test_measured_gpu_rates_win_and_an_unknown_gpu_says_so():
+    curve = zipf_curve(10**6, 1.1, 26)
+    node = dataclasses.replace(NODE, cpus=16, gpus=1, gpu_model="Some Accelerator 9000")
+    p = plan(_job(), node, RATES, curve)
+    assert p.figures["compute_source"] == "the rates file (GPU unknown)"
+    assert any("'Some Accelerator 9000' is not one hvctr.plan.gpus knows" in n for n in p.notes)
+    measured = dataclasses.replace(RATES, gpu_flops_per_s=1e13, gpu_bytes_per_s=1e12, gpu_kernel_s=5e-6)
+    f = plan(_job(), node, measured, curve).figures
+    assert f["compute_source"] == "measured (rates file)"
+    # a figure the rates file lacks comes from the datasheet, and only that one is called assumed
+    part = plan(_job(), dataclasses.replace(node, gpu_model="NVIDIA H200"),
+                dataclasses.replace(measured, gpu_flops_per_s=0.0), curve).figures["compute_source"]
+    assert "67 TFLOP/s FP32 peak" in part and "HBM" not in part and "a kernel" not in part
+
+
+@pytest.mark.parametrize("model, name", [("A100-SXM4-40GB", "A100 40GB"), ("NVIDIA A100-SXM4-80GB", "A100 SXM4 80GB"),
+                                         ("NVIDIA A100 80GB PCIe", "A100 PCIe 80GB"), ("NVIDIA H200", "H200 SXM 141GB"),
+                                         ("NVIDIA H100 PCIe", "H100 PCIe 80GB"), ("NVIDIA H100 80GB HBM3", "H100 SXM5 80GB"),
+                                         ("Tesla V100-SXM2-32GB", "V100 SXM2 32GB"), ("NVIDIA L40S", "L40S 48GB")])
+def test_gpu_datasheets_are_found_by_the_maps_model_names(model, name):
+    from hvctr.plan.gpus import spec_for
+
+    assert spec_for(model).name == name
+    assert spec_for("AMD Instinct MI250X") is None
