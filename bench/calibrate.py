@@ -113,6 +113,47 @@ def compute_rates(reps: int) -> dict[str, float]:
             "step_overhead_s": 0.0}
 
 
+def gpu_rates(reps: int, device: str = "cuda") -> dict[str, float]:
+    """The GPU's figures hvctr plan uses on GPU maps (hvctr.plan.gpus; 0 there means the
+    datasheet): the default DNN's forward + backward at batch BATCH, FLOP/s; a 256 MiB
+    device-to-device copy, bytes/s (read + written); one tiny kernel's launch, seconds (the
+    mean of 200 in a row). Each timed to a synchronize."""
+    import torch
+    import torch.nn.functional as F
+
+    from hvctr.config import ModelConfig
+    from hvctr.models import build_model
+    from hvctr.plan.model import dense_flops_per_sample
+
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    cfg = ModelConfig()
+    model = build_model(cfg, DIM, seed=0).to(dev)
+    g = torch.Generator().manual_seed(0)
+    emb = (torch.rand(BATCH, FIELDS, DIM, generator=g) * 0.01).to(dev).requires_grad_()
+    w1 = torch.zeros(BATCH, FIELDS, device=dev, requires_grad=True)
+    dense, labels = torch.rand(BATCH, 13, generator=g).to(dev), (torch.rand(BATCH, generator=g) < 0.25).float().to(dev)
+    big = torch.empty(64 << 20, dtype=torch.float32, device=dev)  # 256 MiB
+    one = torch.zeros(1, device=dev)
+
+    def forward_backward() -> None:
+        F.binary_cross_entropy_with_logits(model(dense, emb, w1), labels).backward()
+        sync()
+
+    def copy() -> None:
+        big.clone()
+        sync()
+
+    def kernels() -> None:
+        for _ in range(200):
+            one.add_(1.0)
+        sync()
+
+    t = _interleaved({"fb": forward_backward, "copy": copy, "kernels": kernels}, reps)
+    return {"gpu_flops_per_s": dense_flops_per_sample(cfg, DIM) * BATCH / t["fb"],
+            "gpu_bytes_per_s": 2 * big.numel() * 4 / t["copy"], "gpu_kernel_s": t["kernels"] / 200}
+
+
 def host_rates(reps: int) -> dict[str, float]:
     from hvctr.formats import mix64
     from hvctr.kernels import unique_in_order
@@ -273,6 +314,8 @@ def measure_rank(comm, work: str, quick: bool) -> dict[str, float]:
             res.update(disk_rate(work, 1 << (18 if quick else 19), 2048, 2 if quick else 3))
         else:
             res.update(data_rate(work, reps))
+    if torch.cuda.is_available():  # a GPU node: its figures replace hvctr plan's datasheet assumptions
+        res.update(gpu_rates(reps))
     comm.barrier()  # comm: barrier before the exchange measurements
     res.update(exchange_rates(comm, reps, res["memcpy_bytes_per_s"]))
     return res

@@ -102,3 +102,25 @@ def test_two_ranks_on_one_gpu_resume_bit_equal(dataset, tmp_path):
     kill_after_checkpoint(flags, 2, tmp_path / "cut", dataset, seq=2)
     train(2, tmp_path / "cut", dataset, *flags, resume=True, timeout=240)
     assert_same_model(tmp_path / "whole", tmp_path / "cut")
+
+
+def test_calibrate_measures_this_gpu_for_the_planner():
+    """bench.calibrate's GPU figures on the real device: in the range of a datacenter GPU, and
+    `hvctr plan` on a GPU map takes them over the datasheet (issue 32, item 3)."""
+    import dataclasses
+
+    from bench.calibrate import gpu_rates
+    from hvctr.plan.model import Job, NodeInfo, plan
+    from hvctr.plan.keyfreq import zipf_curve
+    from hvctr.plan.rates import load_rates
+
+    g = gpu_rates(3)
+    assert g["gpu_flops_per_s"] > 1e11 and g["gpu_bytes_per_s"] > 1e11 and 0 < g["gpu_kernel_s"] < 1e-3, g
+    from hvctr.plan.cmd import DEFAULT_RATES
+
+    rates = dataclasses.replace(load_rates(DEFAULT_RATES).entries[0], **g)
+    node = NodeInfo(name="here", cpus=16, threads_per_rank=1, gpus=1, gpu_model=torch.cuda.get_device_name(0))
+    job = Job(nodes=1, ranks_per_node=1, keys=10**6, dim=16, batch_size_per_rank=4096, every_k_steps=8)
+    f = plan(job, node, rates, zipf_curve(10**6, 1.1, 26)).figures
+    assert f["compute_source"] == "measured (rates file)"
+    print(json.dumps({**g, "planned_compute_ms": 1e3 * f["compute_s_per_step"]}))

@@ -277,3 +277,15 @@ def test_gpu_datasheets_are_found_by_the_maps_model_names(model, name):
 
     assert spec_for(model).name == name
     assert spec_for("AMD Instinct MI250X") is None
+
+
+def test_calibrate_measures_the_gpu_figures_the_plan_then_calls_measured():
+    """bench.calibrate's GPU part (run where CUDA is, tests/gpu) on this host's CPU: every figure
+    measured and positive; in a rates entry they replace the datasheet."""
+    from bench.calibrate import gpu_rates
+
+    g = gpu_rates(1, device="cpu")
+    assert set(g) == {"gpu_flops_per_s", "gpu_bytes_per_s", "gpu_kernel_s"} and all(v > 0 for v in g.values())
+    node = dataclasses.replace(NODE, cpus=16, gpus=1, gpu_model="A100-SXM4-40GB")
+    f = plan(_job(), node, dataclasses.replace(RATES, **g), zipf_curve(10**6, 1.1, 26)).figures
+    assert f["compute_source"] == "measured (rates file)"
