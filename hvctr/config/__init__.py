@@ -71,6 +71,9 @@ class ModelArch(str, enum.Enum):
     DNN = "dnn"
     DEEPFM = "deepfm"
     WDL = "wdl"  # Wide & Deep
+    DLRM = "dlrm"  # Naumov et al.: bottom MLP on dense, pairwise dot products, top MLP
+    DCNV2 = "dcnv2"  # Wang et al. (arXiv 2008.13535): cross network, then the MLP
+    DLRM_DCNV2 = "dlrm-dcnv2"  # MLPerf Training's DLRM-DCNv2: bottom MLP, cross network, top MLP
 
 
 class DataVerify(str, enum.Enum):
@@ -156,10 +159,22 @@ class MergeConfig:
     sparse_rule: SparseRule = SparseRule.AVERAGE  # what an owner keeps of a row several ranks moved (kstep)
 
 
+# The archs with a bottom MLP (its output is one more "embedding") and those with a cross network.
+BOTTOM_MLP_ARCHS = frozenset({ModelArch.DLRM, ModelArch.DLRM_DCNV2})
+CROSS_ARCHS = frozenset({ModelArch.DCNV2, ModelArch.DLRM_DCNV2})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: ModelArch = ModelArch.DNN  # dnn: an MLP on the concatenated embeddings and dense features
-    hidden: tuple[int, ...] = (512, 256)  # MLP hidden layers; the output layer (1) is added
+    arch: ModelArch = ModelArch.DNN  # dnn: an MLP on the concatenated embeddings and dense features (docs/models.md)
+    # MLP hidden layers; the output layer (1) is added. dlrm, dlrm-dcnv2: the top MLP (over the
+    # interaction); dcnv2: the deep part over the cross network's output
+    hidden: tuple[int, ...] = (512, 256)
+    # dlrm, dlrm-dcnv2: the bottom MLP on the dense features, Linear + ReLU per layer; its last
+    # width is the width of an embedding (must equal storage.dim). Other archs: not read
+    bottom_mlp: tuple[int, ...] = (512, 256, 16)
+    cross_layers: int = 3  # dcnv2, dlrm-dcnv2: cross layers x_{l+1} = x0 * (W x_l + b) + x_l
+    cross_rank: int = 0  # dcnv2, dlrm-dcnv2: W = U V^T of this rank; 0: a full-rank W
     num_dense: int = 13  # dense (numeric) features per row: Criteo's 13
     num_fields: int = 26  # categorical fields per row, one key each: Criteo's 26
 
@@ -432,6 +447,22 @@ def _require_finite(cfg: Config) -> None:
                 _require(math.isfinite(value), f"{section.name}.{name}", f"must be a finite number, got {value}")
 
 
+def _validate_model(mc: ModelConfig, dim: int) -> None:
+    _require(all(h >= 1 for h in mc.hidden), "model.hidden", f"layer sizes must be >= 1, got {mc.hidden}")
+    _require(mc.num_fields >= 1, "model.num_fields", f"must be >= 1, got {mc.num_fields}")
+    _require(mc.num_dense >= 0, "model.num_dense", f"must be >= 0, got {mc.num_dense}")
+    _require(all(h >= 1 for h in mc.bottom_mlp), "model.bottom_mlp", f"layer sizes must be >= 1, got {mc.bottom_mlp}")
+    _require(mc.cross_layers >= 1, "model.cross_layers", f"must be >= 1, got {mc.cross_layers}")
+    _require(mc.cross_rank >= 0, "model.cross_rank", f"must be >= 0 (0: full rank), got {mc.cross_rank}")
+    if mc.arch in BOTTOM_MLP_ARCHS:
+        # The bottom MLP's output is dotted with (dlrm) or stacked beside (dlrm-dcnv2) the embeddings
+        _require(len(mc.bottom_mlp) >= 1 and mc.bottom_mlp[-1] == dim, "model.bottom_mlp",
+                 f"model.arch = {mc.arch.value!r} needs the bottom MLP's last layer to be storage.dim ({dim}), "
+                 f"got {list(mc.bottom_mlp)}: change model.bottom_mlp's last width or storage.dim")
+        _require(mc.num_dense >= 1, "model.num_dense",
+                 f"model.arch = {mc.arch.value!r} runs its bottom MLP on the dense features: needs >= 1, got 0")
+
+
 def _validate(cfg: Config) -> None:
     s, m, d, t = cfg.storage, cfg.merge, cfg.data, cfg.train
     topo = cfg.topology
@@ -465,7 +496,7 @@ def _validate(cfg: Config) -> None:
         f"{s.max_working_set_rows} is smaller than one batch can touch "
         f"(data.batch_size_per_rank * model.num_fields = {per_batch}); raise it",
     )
-    _require(all(h >= 1 for h in cfg.model.hidden), "model.hidden", f"layer sizes must be >= 1, got {cfg.model.hidden}")
+    _validate_model(cfg.model, s.dim)
     _require(t.epochs >= 1, "train.epochs", f"must be >= 1, got {t.epochs}")
     _require(t.max_steps >= 0, "train.max_steps", f"must be >= 0, got {t.max_steps}")
     _require(t.stall_timeout_s == 0 or t.stall_timeout_s >= 2, "train.stall_timeout_s",

@@ -14,10 +14,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hvctr.config import ModelArch, ModelConfig
-from hvctr.models.ctr import DNN, MLP, DeepFM, WideDeep, fm_interaction
+from hvctr.config import BOTTOM_MLP_ARCHS, CROSS_ARCHS, ModelArch, ModelConfig
+from hvctr.models.ctr import (DLRM, DNN, MLP, CrossNet, DCNv2, DeepFM, DLRMDCNv2, WideDeep, dot_interaction,
+                              fm_interaction)
 
-_ARCHS: dict[ModelArch, type[nn.Module]] = {ModelArch.DNN: DNN, ModelArch.DEEPFM: DeepFM, ModelArch.WDL: WideDeep}
+_ARCHS: dict[ModelArch, type[nn.Module]] = {ModelArch.DNN: DNN, ModelArch.DEEPFM: DeepFM, ModelArch.WDL: WideDeep,
+                                            ModelArch.DLRM: DLRM, ModelArch.DCNV2: DCNv2,
+                                            ModelArch.DLRM_DCNV2: DLRMDCNv2}
 
 
 def build_model(model_cfg: ModelConfig, dim: int, seed: int | None = None) -> nn.Module:
@@ -28,6 +31,10 @@ def build_model(model_cfg: ModelConfig, dim: int, seed: int | None = None) -> nn
     """
     cls = _ARCHS[model_cfg.arch]
     args = dict(num_fields=model_cfg.num_fields, dim=dim, num_dense=model_cfg.num_dense, hidden=model_cfg.hidden)
+    if model_cfg.arch in BOTTOM_MLP_ARCHS:
+        args["bottom"] = model_cfg.bottom_mlp
+    if model_cfg.arch in CROSS_ARCHS:
+        args.update(cross_layers=model_cfg.cross_layers, cross_rank=model_cfg.cross_rank)
     if seed is None:
         return cls(**args)
     with torch.random.fork_rng(devices=[]):
@@ -35,4 +42,5 @@ def build_model(model_cfg: ModelConfig, dim: int, seed: int | None = None) -> nn
         return cls(**args)
 
 
-__all__ = ["DNN", "MLP", "DeepFM", "WideDeep", "build_model", "fm_interaction"]
+__all__ = ["DLRM", "DNN", "MLP", "CrossNet", "DCNv2", "DeepFM", "DLRMDCNv2", "WideDeep", "build_model",
+           "dot_interaction", "fm_interaction"]

@@ -1,8 +1,10 @@
-"""DNN, DeepFM and Wide & Deep: forward(dense [B, 13], emb [B, F, D], w1 [B, F]) -> logits [B].
+"""DNN, DeepFM, Wide & Deep, DLRM, DCN-v2 and MLPerf's DLRM-DCNv2:
+forward(dense [B, 13], emb [B, F, D], w1 [B, F]) -> logits [B].
 
 The first-order weight of a feature lives in its row (column ``w1``), so the sparse side of
 DeepFM's and Wide & Deep's linear part trains, moves and merges with the embedding; only the
-linear term on the dense features is a dense parameter.
+linear term on the dense features is a dense parameter. DLRM and the DCNs have no first-order
+term and do not read w1 (as DNN).
 """
 
 from __future__ import annotations
@@ -72,6 +74,55 @@ def fm_interaction(emb: Tensor) -> Tensor:
     return 0.5 * (square_of_sum - sum_of_squares).sum(dim=1)
 
 
+def dot_interaction(x: Tensor) -> Tensor:
+    """Pairwise dot products <x_i, x_j> for j < i (the strictly-lower triangle, row by row, as
+    the reference DLRM takes it): [B, N, D] -> [B, N (N - 1) / 2].
+
+    One batched GEMM computes all N^2 products and the triangle is gathered: at N = 27 the
+    wasted half costs less than N (N - 1) / 2 separate dots would.
+    """
+    n = int(x.shape[1])
+    i, j = torch.tril_indices(n, n, offset=-1, device=x.device)
+    return torch.bmm(x, x.transpose(1, 2))[:, i, j]
+
+
+class CrossNet(nn.Module):
+    """DCN-v2's cross network (Wang et al., arXiv 2008.13535, eq. 1): x_{l+1} = x0 * (W_l x_l + b_l) + x_l,
+    [B, N] -> [B, N], ``num_layers`` layers.
+
+    ``rank`` 0: W_l is a full N x N matrix, an ``nn.Linear(N, N)``; else W_l = U_l V_l^T of that
+    rank (the paper's low-rank DCN, eq. 2; torchrec's LowRankCrossNet): V_l an ``nn.Linear(N, r)``
+    without bias, then U_l an ``nn.Linear(r, N)`` that carries b_l. Either way every parameter is
+    an nn.Linear's, which the planner counts.
+    """
+
+    def __init__(self, in_features: int, num_layers: int, rank: int = 0) -> None:
+        super().__init__()
+        if rank == 0:
+            self.layers = nn.ModuleList(nn.Linear(in_features, in_features) for _ in range(num_layers))
+        else:
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.Linear(in_features, rank, bias=False), nn.Linear(rank, in_features))
+                for _ in range(num_layers))
+        self.in_features, self.rank = in_features, rank
+
+    def forward(self, x0: Tensor) -> Tensor:
+        x = x0
+        for layer in self.layers:
+            x = torch.addcmul(x, x0, layer(x))  # x + x0 * (W x + b)
+        return x
+
+
+def bottom_mlp(in_features: int, widths: Sequence[int]) -> nn.Sequential:
+    """DLRM's bottom MLP: Linear + ReLU per layer, the last one included (its output sits beside
+    the embeddings, non-negative as in the reference DLRM and torchrec's DenseArch)."""
+    layers: list[nn.Module] = []
+    for width in widths:
+        layers += [nn.Linear(in_features, width), nn.ReLU()]
+        in_features = width
+    return nn.Sequential(*layers)
+
+
 class _CTRModel(nn.Module):
     """Shared shape bookkeeping: the deep part reads the concatenated embeddings and dense features."""
 
@@ -122,3 +173,59 @@ class WideDeep(_CTRModel):
     def forward(self, dense: Tensor, emb: Tensor, w1: Tensor) -> Tensor:
         wide = w1.sum(dim=1) + self.wide_dense(dense).squeeze(1)
         return wide + self._deep(dense, emb)
+
+
+def _check_bottom(widths: Sequence[int], dim: int) -> None:
+    if not widths or widths[-1] != dim:
+        raise ValueError(f"bottom MLP {list(widths)}: its last width must be the embedding dim {dim}")
+
+
+class DLRM(_CTRModel):
+    """Naumov et al. (arXiv 1906.00091): bottom MLP(dense) -> z [B, D]; the dot products of every
+    pair of [z, e_1 .. e_F]; the top MLP over [z | those dots] -> the logit. It does not read w1."""
+
+    def __init__(self, num_fields: int, dim: int, num_dense: int = 13, hidden: Sequence[int] = (512, 256),
+                 bottom: Sequence[int] = (512, 256, 16)) -> None:
+        super().__init__(num_fields, dim, num_dense)
+        _check_bottom(bottom, dim)
+        self.bottom = bottom_mlp(num_dense, bottom)
+        n = num_fields + 1
+        self.top = MLP(dim + n * (n - 1) // 2, hidden)
+
+    def forward(self, dense: Tensor, emb: Tensor, w1: Tensor) -> Tensor:
+        z = self.bottom(dense)
+        pairs = dot_interaction(torch.cat([z.unsqueeze(1), emb], dim=1))
+        return self.top.forward_blocks([z, pairs]).squeeze(1)
+
+
+class DCNv2(_CTRModel):
+    """DCN-v2, stacked (Wang et al., arXiv 2008.13535, fig. 2b): x0 = [emb flattened | dense], the
+    cross network, then the MLP to the logit. It does not read w1."""
+
+    def __init__(self, num_fields: int, dim: int, num_dense: int = 13, hidden: Sequence[int] = (512, 256),
+                 cross_layers: int = 3, cross_rank: int = 0) -> None:
+        super().__init__(num_fields, dim, num_dense)
+        self.cross = CrossNet(self.deep_in, cross_layers, cross_rank)
+        self.mlp = MLP(self.deep_in, hidden)
+
+    def forward(self, dense: Tensor, emb: Tensor, w1: Tensor) -> Tensor:
+        x0 = torch.cat([emb.flatten(1), dense], dim=1)
+        return self.mlp(self.cross(x0)).squeeze(1)
+
+
+class DLRMDCNv2(_CTRModel):
+    """MLPerf Training's DLRM-DCNv2 (torchrec's DLRM_DCN): bottom MLP(dense) -> z [B, D]; the cross
+    network over x0 = [z | emb flattened], (F + 1) D wide; the top MLP to the logit. No w1."""
+
+    def __init__(self, num_fields: int, dim: int, num_dense: int = 13, hidden: Sequence[int] = (512, 256),
+                 bottom: Sequence[int] = (512, 256, 16), cross_layers: int = 3, cross_rank: int = 0) -> None:
+        super().__init__(num_fields, dim, num_dense)
+        _check_bottom(bottom, dim)
+        self.bottom = bottom_mlp(num_dense, bottom)
+        width = (num_fields + 1) * dim
+        self.cross = CrossNet(width, cross_layers, cross_rank)
+        self.top = MLP(width, hidden)
+
+    def forward(self, dense: Tensor, emb: Tensor, w1: Tensor) -> Tensor:
+        x0 = torch.cat([self.bottom(dense), emb.flatten(1)], dim=1)
+        return self.top(self.cross(x0)).squeeze(1)

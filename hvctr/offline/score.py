@@ -102,17 +102,25 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 # What ExportedModel reads of an export's manifest (files and world_size: _check_files).
 EXPORT_FIELDS = {
     "world_size": int, "files": [dict], "dense": [str], "batch_size": int, "row_format": Opt(str),
+    # bottom_mlp, cross_layers, cross_rank: exports from before dlrm and dcnv2 lack them (their archs do not read them)
     "model": {"arch": OneOf(tuple(a.value for a in ModelArch)), "dim": int, "hidden": [int], "num_dense": int,
-              "num_fields": int},
+              "num_fields": int, "bottom_mlp": Opt([int]), "cross_layers": Opt(int), "cross_rank": Opt(int)},
     "unseen_keys": {"row": OneOf(("init", "default")), "init_scale": float, "seed": int},
 }
 
 
 def _range_problem(m: dict) -> str:
     mc = m["model"]
+
+    def given(key: str, absent: object) -> object:  # keys older exports lack
+        return absent if mc.get(key) is None else mc[key]
+
     for key, value, low in (("model.dim", mc["dim"], 1), ("batch_size", m["batch_size"], 1),
                             ("model.num_fields", mc["num_fields"], 1), ("model.num_dense", mc["num_dense"], 0),
-                            ("model.hidden", min(mc["hidden"], default=1), 1)):
+                            ("model.hidden", min(mc["hidden"], default=1), 1),
+                            ("model.bottom_mlp", min(given("bottom_mlp", [1]), default=1), 1),
+                            ("model.cross_layers", given("cross_layers", 1), 1),
+                            ("model.cross_rank", given("cross_rank", 0), 0)):
         if value < low:
             return f"key {key!r}: {value} is below {low}"
     return ""
@@ -217,9 +225,14 @@ class ExportedModel:
 
     def _load_dense(self, m: dict) -> torch.nn.Module:
         mc = m["model"]
+        later = {k: tuple(v) if isinstance(v, list) else v for k in ("bottom_mlp", "cross_layers", "cross_rank")
+                 if (v := mc.get(k)) is not None}
         cfg = ModelConfig(arch=ModelArch(mc["arch"]), hidden=tuple(mc["hidden"]), num_dense=mc["num_dense"],
-                          num_fields=mc["num_fields"])
-        model = build_model(cfg, self.dim)
+                          num_fields=mc["num_fields"], **later)
+        try:
+            model = build_model(cfg, self.dim)
+        except ValueError as e:  # a bottom MLP that does not end at dim
+            raise ValueError(f"{self.dir / 'manifest.json'}: its model cannot be built ({e}): damaged or crafted") from None
         with h5py.File(self.dir / "dense.h5", "r") as f:
             problem = check_datasets(f)
             want = {name: tuple(p.shape) for name, p in model.named_parameters()}

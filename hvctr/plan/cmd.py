@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from hvctr.config import Compression, Config, MergeMode, load_config
+from hvctr.config import BOTTOM_MLP_ARCHS, CROSS_ARCHS, Compression, Config, MergeMode, ModelConfig, load_config
 from hvctr.plan.gpus import spec_for
 from hvctr.plan.keyfreq import KeyCurve, data_curve, zipf_curve
 from hvctr.plan.model import NO_FIT, Job, NodeInfo, Plan, plan
@@ -198,6 +198,18 @@ def _t(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
 
 
+def _model_text(m: ModelConfig) -> str:
+    """``dlrm-dcnv2 bottom [512, 256, 128], 3 cross layers of rank 512, top [1024, ...]``."""
+    parts = [m.arch.value]
+    if m.arch in BOTTOM_MLP_ARCHS:
+        parts.append(f"bottom {list(m.bottom_mlp)},")
+    if m.arch in CROSS_ARCHS:
+        rank = f"rank {m.cross_rank}" if m.cross_rank else "full rank"
+        parts.append(f"{m.cross_layers} cross layers of {rank},")
+    parts.append(f"top {list(m.hidden)}" if m.arch in BOTTOM_MLP_ARCHS else str(list(m.hidden)))
+    return " ".join(parts)
+
+
 def format_plan(p: Plan, rates_from: str) -> str:
     f, j, n = p.figures, p.job, p.node
     mode = "sync (gradients every step)" if j.mode is MergeMode.SYNC else f"kstep k = {j.k} ({j.states.value})"
@@ -207,7 +219,7 @@ def format_plan(p: Plan, rates_from: str) -> str:
         f"hvctr plan: {j.nodes} node(s) x {j.ranks_per_node} ranks = {f['world_size']} ranks on {n.name} "
         f"({n.cpus} cpus, {n.gpus} GPUs per node, {n.threads_per_rank} thread(s) per rank)",
         f"  table {j.keys:,} keys, dim {j.dim}: a row is {f['row_bytes']} B with Adam's m, v and step; "
-        f"model {j.model.arch.value} {list(j.model.hidden)}, {f['dense_params']:,} dense parameters",
+        f"model {_model_text(j.model)}, {f['dense_params']:,} dense parameters",
         f"  batch {j.batch_size_per_rank:,} per rank, {mode}{fp16}; keys: {p.curve.source}",
         f"  rates: {rates_from}; entry measured with {p.rates.ranks_per_node} rank(s) per node",
         "",

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hvctr.config import Compression, MergeMode, MergeStates, ModelArch, ModelConfig
+from hvctr.config import BOTTOM_MLP_ARCHS, CROSS_ARCHS, Compression, MergeMode, MergeStates, ModelArch, ModelConfig
 from hvctr.formats import NUM_BUCKETS, SAMPLE_BYTES
 from hvctr.plan.gpus import GpuRates, gpu_rates
 from hvctr.plan.keyfreq import KeyCurve
@@ -112,24 +112,66 @@ class NodeInfo:
 # --- closed forms ---------------------------------------------------------------------
 
 
-def linear_layers(model: ModelConfig, dim: int) -> list[tuple[int, int]]:
-    """(in, out) of every nn.Linear of hvctr.models' architecture ``model.arch``."""
-    widths = [model.num_fields * dim + model.num_dense, *model.hidden, 1]
-    layers = list(zip(widths[:-1], widths[1:]))
+def top_in_features(model: ModelConfig, dim: int) -> int:
+    """Width of the MLP that outputs the logit: [emb | dense], DLRM's [bottom output | dot
+    products of every pair], DLRM-DCNv2's [bottom output | emb] (a cross network keeps its width)."""
+    F = model.num_fields
+    if model.arch is ModelArch.DLRM:
+        return dim + (F + 1) * F // 2
+    if model.arch is ModelArch.DLRM_DCNV2:
+        return (F + 1) * dim
+    return F * dim + model.num_dense
+
+
+def linear_layers(model: ModelConfig, dim: int) -> list[tuple[int, int, bool]]:
+    """(in, out, has a bias) of every nn.Linear of hvctr.models' architecture ``model.arch``."""
+    N = model.num_dense
+    layers: list[tuple[int, int, bool]] = []
+    if model.arch in BOTTOM_MLP_ARCHS:  # on the dense features, to one more "embedding"
+        widths = [N, *model.bottom_mlp]
+        layers += [(i, o, True) for i, o in zip(widths[:-1], widths[1:])]
+    top_in = top_in_features(model, dim)
+    if model.arch in CROSS_ARCHS:
+        r = model.cross_rank  # full rank: W (with b); low rank: V^T (no bias), then U (with b)
+        layers += ([(top_in, top_in, True)] if r == 0 else [(top_in, r, False), (r, top_in, True)]) * model.cross_layers
+    widths = [top_in, *model.hidden, 1]
+    layers += [(i, o, True) for i, o in zip(widths[:-1], widths[1:])]
     if model.arch in (ModelArch.DEEPFM, ModelArch.WDL):
-        layers.append((model.num_dense, 1))  # the linear term on the dense features
+        layers.append((N, 1, True))  # the linear term on the dense features
     return layers
 
 
 def dense_params(model: ModelConfig, dim: int) -> int:
-    """Dense parameters P: weights and biases of the model's linear layers."""
-    return sum(i * o + o for i, o in linear_layers(model, dim))
+    """Dense parameters P: weights and biases of the model's linear layers (every dense parameter
+    of every arch is an nn.Linear's, DCN's cross layers included)."""
+    return sum(i * o + (o if bias else 0) for i, o, bias in linear_layers(model, dim))
 
 
 def dense_flops_per_sample(model: ModelConfig, dim: int) -> int:
     """Forward 2 in out + backward 4 in out per linear layer (the input's gradient is needed:
-    it is the embeddings'). DeepFM's FM term, O(F D), is left out."""
-    return sum(6 * i * o for i, o in linear_layers(model, dim))
+    it is the embeddings'), except the bottom MLP's first layer, whose input (the dense
+    features) needs none: 4 in out. DLRM's interaction is a batched GEMM of the F + 1 vectors
+    with themselves: forward 2 (F + 1)^2 D, backward twice that. Element-wise terms, O(F D) a
+    layer (DeepFM's FM, the cross layers' x0 * (.) + x_l), are left out."""
+    layers = linear_layers(model, dim)
+    flops = sum(6 * i * o for i, o, _ in layers)
+    if model.arch in BOTTOM_MLP_ARCHS:
+        flops -= 2 * layers[0][0] * layers[0][1]
+    if model.arch is ModelArch.DLRM:
+        flops += 6 * (model.num_fields + 1) ** 2 * dim
+    return flops
+
+
+def activations_per_sample(model: ModelConfig, dim: int) -> int:
+    """Floats the forward keeps per sample for the backward: the embeddings and dense features,
+    every linear layer's output and, for DLRM, the stacked vectors and their (F + 1)^2 products."""
+    F, D = model.num_fields, dim
+    act = F * D + model.num_dense + sum(o for _, o, _ in linear_layers(model, dim))
+    if model.arch is ModelArch.DLRM:
+        act += (F + 1) * D + (F + 1) ** 2
+    if model.arch in CROSS_ARCHS:  # x0 and each layer's x_l (the Linear's output is counted above)
+        act += (model.cross_layers + 1) * top_in_features(model, dim)
+    return act
 
 
 def rows_per_rank(keys: int, world_size: int) -> int:
@@ -406,7 +448,7 @@ def _device_bytes(job: Job, u: float, params: int) -> float:
     """Working set rows + the batch's gathered rows and their gradient + dense params, grads,
     Adam's m and v + activations and their gradients (float32)."""
     B, D, F = job.batch_size_per_rank, job.dim, job.model.num_fields
-    act = B * (F * D + job.model.num_dense + sum(job.model.hidden) + 1)
+    act = B * activations_per_sample(job.model, D)
     layout = RowLayout(D)
     return u * layout.row_bytes + 2 * B * F * layout.model_width * 4 + 4 * params * 4 + 2 * act * 4
 

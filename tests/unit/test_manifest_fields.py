@@ -53,8 +53,12 @@ def _set(value, *path):
     (_set("x", "batch_size"), "key 'batch_size': expected an integer, got 'x' (a string)"),
     (_set(5, "dense"), "key 'dense': expected a list, got 5 (an integer)"),
     (_set(7, "model", "hidden"), "key 'model.hidden': expected a list, got 7 (an integer)"),
-    (_set("zzz", "model", "arch"), "key 'model.arch': 'zzz' is not one of ['dnn', 'deepfm', 'wdl']"),
+    (_set("zzz", "model", "arch"),
+     "key 'model.arch': 'zzz' is not one of ['dnn', 'deepfm', 'wdl', 'dlrm', 'dcnv2', 'dlrm-dcnv2']"),
     (_set([0], "model", "hidden"), "key 'model.hidden': 0 is below 1"),
+    (_set("3", "model", "cross_rank"), "key 'model.cross_rank': expected an integer, got '3' (a string)"),
+    (_set(-1, "model", "cross_rank"), "key 'model.cross_rank': -1 is below 0"),
+    (_set([8, 0], "model", "bottom_mlp"), "key 'model.bottom_mlp': 0 is below 1"),
     (_set(float("nan"), "unseen_keys", "init_scale"),
      "key 'unseen_keys.init_scale': expected a finite number, got nan (a number)"),
 ])

@@ -28,7 +28,7 @@ def test_fm_matches_brute_force_pairwise_sum():
 
 @pytest.mark.parametrize("arch", list(ModelArch))
 def test_every_model_maps_inputs_to_one_logit_per_sample_and_backprops(arch):
-    model = build_model(ModelConfig(arch=arch, hidden=(16, 8), num_fields=Fn), dim=D, seed=3)
+    model = build_model(ModelConfig(arch=arch, hidden=(16, 8), num_fields=Fn, bottom_mlp=(8, D)), dim=D, seed=3)
     dense, emb, w1 = _inputs()
     emb.requires_grad_()
     w1.requires_grad_()
@@ -37,8 +37,8 @@ def test_every_model_maps_inputs_to_one_logit_per_sample_and_backprops(arch):
     out.sum().backward()
     assert emb.grad.abs().sum() > 0
     assert all(p.grad is not None for p in model.parameters())
-    if arch is ModelArch.DNN:
-        assert w1.grad is None or torch.count_nonzero(w1.grad) == 0  # DNN has no first-order term
+    if arch not in (ModelArch.DEEPFM, ModelArch.WDL):
+        assert w1.grad is None or torch.count_nonzero(w1.grad) == 0  # no first-order term
     else:
         assert torch.equal(w1.grad, torch.ones_like(w1))  # first order: d logit / d w1 = 1
 

@@ -28,19 +28,40 @@ NODE = NodeInfo(name="test", cpus=2, threads_per_rank=1, host_memory_bytes=24 * 
 
 
 @pytest.mark.parametrize("arch", list(ModelArch))
-@pytest.mark.parametrize("hidden,dim", [((512, 256), 16), ((32, 16), 8)])
-def test_dense_params_and_layers_match_the_models(arch, hidden, dim):
-    cfg = ModelConfig(arch=arch, hidden=hidden)
+@pytest.mark.parametrize("hidden,dim,rank", [((512, 256), 16, 0), ((32, 16), 8, 0), ((32, 16), 8, 5)])
+def test_dense_params_and_layers_match_the_models(arch, hidden, dim, rank):
+    cfg = ModelConfig(arch=arch, hidden=hidden, bottom_mlp=(64, dim), cross_layers=2, cross_rank=rank)
     model = build_model(cfg, dim)
     assert dense_params(cfg, dim) == sum(p.numel() for p in model.parameters())
-    shapes = sorted((m.in_features, m.out_features) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    shapes = sorted((m.in_features, m.out_features, m.bias is not None) for m in model.modules()
+                    if isinstance(m, torch.nn.Linear))
     assert sorted(linear_layers(cfg, dim)) == shapes
-    assert dense_flops_per_sample(cfg, dim) == sum(6 * i * o for i, o in shapes)
 
 
 def test_dense_flops_of_the_default_dnn_by_hand():
     # 26 * 16 + 13 = 429 inputs -> 512 -> 256 -> 1
     assert dense_flops_per_sample(ModelConfig(), 16) == 6 * (429 * 512 + 512 * 256 + 256 * 1)
+
+
+def test_dense_flops_and_params_of_the_new_archs_by_hand():
+    """MLPerf's DLRM-DCNv2 at D = 128 (bottom 13-512-256-128, 3 cross layers of rank 512 over
+    27 x 128 = 3456, top 3456-1024-1024-512-256-1), DLRM and DCN-v2 written out by hand."""
+    mlperf = ModelConfig(arch=ModelArch.DLRM_DCNV2, bottom_mlp=(512, 256, 128), hidden=(1024, 1024, 512, 256),
+                         cross_layers=3, cross_rank=512)
+    bottom = [(13, 512), (512, 256), (256, 128)]
+    cross = [(3456, 512), (512, 3456)] * 3
+    top = [(3456, 1024), (1024, 1024), (1024, 512), (512, 256), (256, 1)]
+    weights = sum(i * o for i, o in bottom + cross + top)
+    biases = 512 + 256 + 128 + 3 * 3456 + 1024 + 1024 + 512 + 256 + 1
+    assert dense_params(mlperf, 128) == weights + biases
+    assert dense_flops_per_sample(mlperf, 128) == 6 * weights - 2 * 13 * 512  # no gradient into the dense input
+    # DLRM, D = 16: top over 16 + 27 * 26 / 2 = 367; the 27 x 27 x 16 batched GEMM, forward and backward
+    dlrm = ModelConfig(arch=ModelArch.DLRM, bottom_mlp=(64, 16), hidden=(512, 256))
+    assert dense_flops_per_sample(dlrm, 16) == (4 * 13 * 64 + 6 * 64 * 16 + 6 * (367 * 512 + 512 * 256 + 256)
+                                                + 6 * 27 * 27 * 16)
+    # DCN-v2, full rank over 429: W 429 x 429 and b per layer
+    dcn = ModelConfig(arch=ModelArch.DCNV2, hidden=(512, 256), cross_layers=2, cross_rank=0)
+    assert dense_params(dcn, 16) == 2 * (429 * 429 + 429) + 429 * 512 + 512 + 512 * 256 + 256 + 256 + 1
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 7, 128])
