@@ -258,7 +258,9 @@ class _Costs:
 def gpu_step_s(job: Job, g: GpuRates, batch_rows: float) -> float:
     """One step's device time on a GPU: the dense model's FLOPs, the memory-bound kernels' bytes
     (the gather of B F rows and its gradient sum, lazy Adam of the batch's rows, dense Adam) and
-    a launch per kernel (5 a linear layer forward and backward, about 26 besides)."""
+    a launch per kernel (5 a linear layer forward and backward, about 26 besides; 3 more a cross
+    layer for its x0 * (.) + x_l and its gradients, 6 for DLRM's interaction: the stack, the
+    batched GEMM, the triangle's gather and their backward)."""
     B, D, F = job.batch_size_per_rank, job.dim, job.model.num_fields
     layout = RowLayout(D)
     P = dense_params(job.model, D)
@@ -267,6 +269,8 @@ def gpu_step_s(job: Job, g: GpuRates, batch_rows: float) -> float:
              + batch_rows * (2 * layout.row_bytes + 4 * layout.model_width)  # lazy Adam: rows in and out, grads
              + 28 * P)  # dense Adam: p, g, m, v read, p, m, v written
     kernels = 5 * len(linear_layers(job.model, D)) + 26
+    kernels += 3 * job.model.cross_layers if job.model.arch in CROSS_ARCHS else 0
+    kernels += 6 if job.model.arch is ModelArch.DLRM else 0
     return flops / g.flops_per_s + moved / g.bytes_per_s + kernels * g.kernel_s
 
 
