@@ -125,3 +125,11 @@ def test_score_into_a_pipe_closed_early_ends_quietly(exported, criteo_rows):
     lines = r.stdout.splitlines()
     assert len(lines) == 4 and all(0 < float(p) < 1 for p in lines[:3]), r.stdout
     assert lines[3] == "rc=141" and r.stderr == "", r.stderr  # 128 + SIGPIPE, nothing printed
+
+
+def test_an_export_from_before_dlrm_and_dcnv2_loads_without_their_keys(exported):
+    """Exports written before model.bottom_mlp, cross_layers and cross_rank existed lack them;
+    their archs do not read them, so the export loads as it did."""
+    reseal(exported / "manifest.json", lambda m: [m["model"].pop(k) for k in ("bottom_mlp", "cross_layers",
+                                                                              "cross_rank")])
+    assert ExportedModel(exported).model is not None
