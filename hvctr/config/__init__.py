@@ -46,6 +46,7 @@ class AdamScaling(str, enum.Enum):
 
 
 class SparseRule(str, enum.Enum):
+    AUTO = "auto"  # matched from 16 ranks on (kstep), average below (hvctr.config.resolve.resolve_merge)
     AVERAGE = "average"  # an owner keeps the mean of the contributors' copies of a row
     SUM = "sum"  # old + the sum of the contributors' moves
     SQRT = "sqrt"  # old + sqrt(contributors) x their mean move
@@ -156,7 +157,8 @@ class MergeConfig:
     # + (start - average); params = start - outer_lr * u. outer_lr 1, momentum 0: plain averaging
     outer_lr: float = 1.0
     outer_momentum: float = 0.0  # the outer step's momentum (SlowMo, above); 0: none
-    sparse_rule: SparseRule = SparseRule.AVERAGE  # what an owner keeps of a row several ranks moved (kstep)
+    # what an owner keeps of a row several ranks moved (kstep); auto: chosen on two data sets (docs/merging.md)
+    sparse_rule: SparseRule = SparseRule.AUTO
 
 
 # The archs with a bottom MLP (its output is one more "embedding") and those with a cross network.

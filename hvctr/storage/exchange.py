@@ -199,6 +199,9 @@ class ShardedTable:
     def __init__(self, comm: "Comm", store: EmbeddingStore, bucket_owner: np.ndarray,
                  device: torch.device | str = "cpu", sparse_rule: SparseRule = SparseRule.AVERAGE) -> None:
         self.comm, self.store = comm, store
+        if sparse_rule is SparseRule.AUTO:
+            raise ValueError("merge.sparse_rule = auto is resolved for the world size first "
+                             "(hvctr.config.resolve.resolve_merge)")
         self.sparse_rule = sparse_rule  # what an owner keeps of a row several ranks moved (hvctr.storage.row_merge)
         self.bucket_owner = np.asarray(bucket_owner, dtype=np.int32)
         self.device = torch.device(device)

@@ -123,7 +123,7 @@ class Trainer:
 
         # comm: allgather of shard-creation errors (a full disk is one rank's: no rank waits alone)
         store = self.comm.agree(create, name="shard.create")
-        return store, ShardedTable(self.comm, store, owner, self.device, self.cfg.merge.sparse_rule)
+        return store, ShardedTable(self.comm, store, owner, self.device, self.merge_cfg.sparse_rule)
 
     def _build_reducer(self) -> KStepMerger | SyncGradients:
         params = list(self.model.parameters())

@@ -77,7 +77,7 @@ def test_a_fixed_global_batch_is_dealt_over_the_ranks_and_grows_nothing():
 
 
 def test_dense_merges_inside_the_window_from_32_ranks_on_by_default():
-    from hvctr.config import Compression, MergeConfig, MergeMode
+    from hvctr.config import Compression, MergeConfig, MergeMode, SparseRule
     from hvctr.config.resolve import AUTO_DENSE_RANKS, resolve_merge
 
     auto = MergeConfig(every_k_steps=8)
@@ -89,6 +89,19 @@ def test_dense_merges_inside_the_window_from_32_ranks_on_by_default():
     assert resolve_merge(MergeConfig(every_k_steps=4), 64).dense_every_steps == 0  # no window to split
     assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).dense_every_steps == 0
     assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).compression is Compression.NONE
-    chosen = MergeConfig(every_k_steps=8, dense_every_steps=0)
+    chosen = MergeConfig(every_k_steps=8, dense_every_steps=0, sparse_rule=SparseRule.SQRT)
     assert resolve_merge(chosen, 64) is chosen  # what the user sets is kept
     assert resolve_merge(MergeConfig(every_k_steps=8, dense_every_steps=2), 2).dense_every_steps == 2
+
+
+def test_owners_scale_the_rows_moves_from_16_ranks_on_by_default():
+    from hvctr.config import MergeConfig, MergeMode, SparseRule
+    from hvctr.config.resolve import AUTO_MATCHED_RANKS, resolve_merge
+
+    auto = MergeConfig(every_k_steps=8)
+    assert auto.sparse_rule is SparseRule.AUTO and AUTO_MATCHED_RANKS == 16
+    assert resolve_merge(auto, AUTO_MATCHED_RANKS - 1).sparse_rule is SparseRule.AVERAGE
+    assert resolve_merge(auto, 2).sparse_rule is SparseRule.AVERAGE  # the 2-rank benchmarks unchanged
+    assert resolve_merge(auto, AUTO_MATCHED_RANKS).sparse_rule is SparseRule.MATCHED
+    assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).sparse_rule is SparseRule.AVERAGE  # no owner merge
+    assert resolve_merge(MergeConfig(sparse_rule=SparseRule.AVERAGE), 64).sparse_rule is SparseRule.AVERAGE
