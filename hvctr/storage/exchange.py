@@ -341,6 +341,8 @@ class ShardedTable:
                                      f"{asked.received} (a push of other keys than the window's)")
                 uniq, mean, count = merge_asked(got.numpy(), asked, divide=True)
                 copies, inverse = got.numpy(), asked.inverse
+                if self.sparse_rule is SparseRule.AVERAGE:  # the copies are merged: freed before the write
+                    del got, copies
             if self.sparse_rule is not SparseRule.AVERAGE:
                 old = self.store.read(uniq, count=False)  # the rows as pulled: nothing wrote them since
                 spread = (contributor_spread(copies, inverse, old, count, self.store.layout)

@@ -32,6 +32,10 @@ from hvctr.storage.shard import Shard, strictly_increasing
 
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
 _FLUSH_CHUNK_BYTES = 64 << 20  # rows written per step of flush()
+# keys per step of read() and write(): their temporaries (the misses' rows, their sorted copies
+# for the shard, the rows the cache evicts) are this many rows, not a window's (a 327k-row
+# window's rows are 65 MB at D = 16, and a whole-window write made four copies of them)
+_RW_CHUNK = 1 << 16
 _CLEAN_GENERATION = -1  # row_meta generation of bulk-loaded rows: in no checkpoint delta
 
 # HVCTR_DEBUG_CHECKS=1 (read at import; tests may set the attribute): the store checks that the
@@ -181,16 +185,24 @@ class EmbeddingStore:
         window, e.g. sync mode's gradient push).
         """
         keys = _unique_keys(keys)
+        out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
+        # In steps of _RW_CHUNK keys (their temporaries bounded), except where an admission
+        # sketch counts them: its estimates depend on what it counted before (collisions), so
+        # there the keys are counted together, as one step.
+        step = _RW_CHUNK if self.admission is None or not count else max(keys.shape[0], 1)
         with self._lock, self._timed():
-            ent = self.cache.lookup(keys, "access")
-            out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
-            self.cache.take(ent, out)
-            miss = np.flatnonzero(ent < 0)
-            if miss.size:
-                # count=False is a window's second read of its rows (a push's old rows)
-                with self.shard.attributed("pull" if count else "push"):
-                    out[miss] = self._read_misses(keys[miss], count)
-            return out
+            for a in range(0, keys.shape[0], step):
+                self._read_chunk(keys[a:a + step], out[a:a + step], count)
+        return out
+
+    def _read_chunk(self, keys: np.ndarray, out: np.ndarray, count: bool) -> None:
+        ent = self.cache.lookup(keys, "access")
+        self.cache.take(ent, out)
+        miss = np.flatnonzero(ent < 0)
+        if miss.size:
+            # count=False is a window's second read of its rows (a push's old rows)
+            with self.shard.attributed("pull" if count else "push"):
+                out[miss] = self._read_misses(keys[miss], count)
 
     def _read_misses(self, keys: np.ndarray, count: bool) -> np.ndarray:
         out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
@@ -252,12 +264,14 @@ class EmbeddingStore:
         if rows.shape != (keys.shape[0], self.layout.width):
             raise ValueError(f"write: rows of shape {rows.shape} for {keys.shape[0]} keys of width {self.layout.width}")
         with self._lock, self._timed():
-            ent = self.cache.lookup(keys, "pin")
-            self.cache.put(ent, rows)
-            miss = np.flatnonzero(ent < 0)
-            if miss.size:
-                with self.shard.attributed("push"):
-                    self._write_misses(keys[miss], rows[miss])
+            for a in range(0, keys.shape[0], _RW_CHUNK):  # temporaries of _RW_CHUNK rows at a time
+                k, r = keys[a:a + _RW_CHUNK], rows[a:a + _RW_CHUNK]
+                ent = self.cache.lookup(k, "pin")
+                self.cache.put(ent, r)
+                miss = np.flatnonzero(ent < 0)
+                if miss.size:
+                    with self.shard.attributed("push"):
+                        self._write_misses(k[miss], r[miss])
 
     def _write_misses(self, keys: np.ndarray, rows: np.ndarray) -> None:
         with self._timed(shard=True):

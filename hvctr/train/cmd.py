@@ -71,6 +71,9 @@ def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device
     """Horovod (with the collective watchdog), logging, placement, determinism. Returns (comm,
     device, the hardware map's SSD directory for this rank or "")."""
     cublas_note = cuda_determinism_env()  # before anything can initialise CUDA
+    from hvctr.heap import fix_mmap_threshold
+
+    heap_note = fix_mmap_threshold()  # before the window's arrays: freed ones go back (hvctr.heap)
     import torch  # here, not at the top: the preflight before it needs none of it
 
     from hvctr.distributed import init_comm
@@ -91,6 +94,8 @@ def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device
 
     if cublas_note:
         log.warning(cublas_note)
+    if heap_note and comm.rank == 0:
+        log.info(heap_note)
     placement = apply_placement(cfg.topology, comm.local_rank, comm.local_size)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

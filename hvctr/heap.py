@@ -1,0 +1,40 @@
+"""The allocator's settings for a training rank: freed memory goes back to the system.
+
+glibc malloc serves a request of at least its mmap threshold with a mapping of its own,
+unmapped when freed; smaller ones come from its heaps, whose free pages stay in the process
+until the top of a heap is free. The threshold starts at 128 KiB, and every free of a larger
+mapped block raises it to that block's size (up to 32 MiB): after a window's first arrays (a
+327k-key window's positions and inverses are 7-10 MB each) are freed, every later array of that
+size comes from a heap, where the arrays of two threads (the prefetch thread's window, the main
+thread's pull and push) interleave and the freed ones are kept. Measured at 2 ranks, batch 4096,
+k = 8 (BENCHMARKS.md, issue 26): about 180 MiB a rank of anonymous memory held that way during
+training, a third of the job's own memory beyond torch's floor, with no gain in speed.
+
+``fix_mmap_threshold()`` sets the threshold (and the heap trim threshold) once, which also
+turns glibc's raising off. Where the environment sets ``MALLOC_MMAP_THRESHOLD_`` (glibc's own
+tunable) or ``HVCTR_MALLOC_TUNE=0``, or the C library is not glibc, it changes nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+M_TRIM_THRESHOLD = -1  # glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+THRESHOLD = 128 << 10  # glibc's own starting value, kept
+
+
+def fix_mmap_threshold(threshold: int = THRESHOLD, environ=os.environ) -> str:
+    """Fixes glibc's mmap and trim thresholds at ``threshold`` bytes; returns what it did, for
+    the log ("" where it left the allocator alone)."""
+    if environ.get("HVCTR_MALLOC_TUNE", "") == "0" or "MALLOC_MMAP_THRESHOLD_" in environ:
+        return ""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
+        return ""
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if not (mallopt(M_MMAP_THRESHOLD, threshold) and mallopt(M_TRIM_THRESHOLD, threshold)):
+        return ""
+    return f"malloc: arrays of {threshold >> 10} KiB and more mapped and unmapped on their own (hvctr.heap)"
