@@ -580,11 +580,15 @@ class Shard:
                        self.io_stats)
         return pos.shape[0] * item_bytes
 
-    def read_rows(self, pos: np.ndarray) -> np.ndarray:
-        """Rows at positions ``pos`` (any order), read in sorted order (pread: by the pool)."""
+    def read_rows(self, pos: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows at positions ``pos`` (any order), read in sorted order (pread: by the pool);
+        into ``out`` (float32 [n, width], C order) where given."""
         pos = np.asarray(pos, dtype=np.int64)
         order = np.argsort(pos, kind="stable")
-        out = np.empty((pos.shape[0], self.layout.width), dtype=np.float32)
+        if out is None:
+            out = np.empty((pos.shape[0], self.layout.width), dtype=np.float32)
+        elif out.shape != (pos.shape[0], self.layout.width) or out.dtype != np.float32:
+            raise ValueError(f"read_rows: out of shape {out.shape} {out.dtype} for {pos.shape[0]} rows")
         if self.io == "pread":
             sp = pos[order]
             if strictly_increasing(sp):

@@ -32,10 +32,6 @@ from hvctr.storage.shard import Shard, strictly_increasing
 
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
 _FLUSH_CHUNK_BYTES = 64 << 20  # rows written per step of flush()
-# keys per step of read() and write(): their temporaries (the misses' rows, their sorted copies
-# for the shard, the rows the cache evicts) are this many rows, not a window's (a 327k-row
-# window's rows are 65 MB at D = 16, and a whole-window write made four copies of them)
-_RW_CHUNK = 1 << 16
 _CLEAN_GENERATION = -1  # row_meta generation of bulk-loaded rows: in no checkpoint delta
 
 # HVCTR_DEBUG_CHECKS=1 (read at import; tests may set the attribute): the store checks that the
@@ -185,31 +181,33 @@ class EmbeddingStore:
         window, e.g. sync mode's gradient push).
         """
         keys = _unique_keys(keys)
-        out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
-        # In steps of _RW_CHUNK keys (their temporaries bounded), except where an admission
-        # sketch counts them: its estimates depend on what it counted before (collisions), so
-        # there the keys are counted together, as one step.
-        step = _RW_CHUNK if self.admission is None or not count else max(keys.shape[0], 1)
         with self._lock, self._timed():
-            for a in range(0, keys.shape[0], step):
-                self._read_chunk(keys[a:a + step], out[a:a + step], count)
-        return out
+            ent = self.cache.lookup(keys, "access")
+            out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
+            self.cache.take(ent, out)
+            miss = np.flatnonzero(ent < 0)
+            if miss.size:
+                # count=False is a window's second read of its rows (a push's old rows)
+                with self.shard.attributed("pull" if count else "push"):
+                    if miss.size == keys.shape[0]:  # every key missed (a small cache): into out itself
+                        self._read_misses(keys, count, out)
+                    else:
+                        out[miss] = self._read_misses(keys[miss], count)
+            return out
 
-    def _read_chunk(self, keys: np.ndarray, out: np.ndarray, count: bool) -> None:
-        ent = self.cache.lookup(keys, "access")
-        self.cache.take(ent, out)
-        miss = np.flatnonzero(ent < 0)
-        if miss.size:
-            # count=False is a window's second read of its rows (a push's old rows)
-            with self.shard.attributed("pull" if count else "push"):
-                out[miss] = self._read_misses(keys[miss], count)
-
-    def _read_misses(self, keys: np.ndarray, count: bool) -> np.ndarray:
-        out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
+    def _read_misses(self, keys: np.ndarray, count: bool, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows of keys the cache does not hold, into ``out`` (a new array where None).
+        A window's rows are copied as few times as the order of the shard asks: every
+        whole-window copy is 65 MB at 327k rows of D = 16 (issue 26)."""
+        if out is None:
+            out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
         with self._timed(shard=True):
             pos = self.shard.lookup(keys)
             found = np.flatnonzero(pos >= 0)
-            out[found] = self.shard.read_rows(pos[found])
+            if found.size == keys.shape[0]:
+                self.shard.read_rows(pos, out=out)
+            else:
+                out[found] = self.shard.read_rows(pos[found])
         new = np.flatnonzero(pos < 0)
         admitted = self._admit(keys[new], count)
         out[new[~admitted]] = self._default
@@ -225,10 +223,10 @@ class EmbeddingStore:
         order = np.concatenate((new, found))
         dirty = np.zeros(order.size, dtype=bool)
         dirty[:new.size] = True
-        n_in = self._cache_insert(keys[order], out[order], pos[order], dirty)
+        n_in = self._cache_insert(keys[order], self._offered_rows(out, order), pos[order], dirty)
         if n_in < new.size:
             rest = new[n_in:]
-            self._write_shard(pos[rest], keys[rest], out[rest])
+            self._write_shard_at(pos, keys, out, rest)
             self.counters["writethrough_rows"] += rest.size
         return out
 
@@ -247,6 +245,17 @@ class EmbeddingStore:
             self.counters["writeback_rows"] += vk.size
         return n_in
 
+    def _offered_rows(self, rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """rows[idx] as RowCache.insert reads them: it caches at most a prefix of what it is
+        offered, never more than its capacity, so only that prefix is copied."""
+        return rows[idx[:self.cache.capacity]]
+
+    def _write_shard_at(self, pos: np.ndarray, keys: np.ndarray, rows: np.ndarray, idx: np.ndarray) -> None:
+        """``_write_shard(pos[idx], keys[idx], rows[idx])`` with one copy of the rows, in the
+        shard's order (Shard.write_rows copies rows it gets out of order)."""
+        idx = idx[np.argsort(pos[idx], kind="stable")]
+        self._write_shard(pos[idx], keys[idx], rows[idx])
+
     def _write_shard(self, pos: np.ndarray, keys: np.ndarray, rows: np.ndarray, cause: str = "writeback") -> None:
         """Rows to the shard: evicted dirty rows and rows the cache could not take
         ("writeback"), or a flush's dirty rows ("flush")."""
@@ -264,14 +273,15 @@ class EmbeddingStore:
         if rows.shape != (keys.shape[0], self.layout.width):
             raise ValueError(f"write: rows of shape {rows.shape} for {keys.shape[0]} keys of width {self.layout.width}")
         with self._lock, self._timed():
-            for a in range(0, keys.shape[0], _RW_CHUNK):  # temporaries of _RW_CHUNK rows at a time
-                k, r = keys[a:a + _RW_CHUNK], rows[a:a + _RW_CHUNK]
-                ent = self.cache.lookup(k, "pin")
-                self.cache.put(ent, r)
-                miss = np.flatnonzero(ent < 0)
-                if miss.size:
-                    with self.shard.attributed("push"):
-                        self._write_misses(k[miss], r[miss])
+            ent = self.cache.lookup(keys, "pin")
+            self.cache.put(ent, rows)
+            miss = np.flatnonzero(ent < 0)
+            if miss.size:
+                with self.shard.attributed("push"):
+                    if miss.size == keys.shape[0]:  # every key missed (a small cache): no copy of the rows
+                        self._write_misses(keys, rows)
+                    else:
+                        self._write_misses(keys[miss], rows[miss])
 
     def _write_misses(self, keys: np.ndarray, rows: np.ndarray) -> None:
         with self._timed(shard=True):
@@ -287,10 +297,10 @@ class EmbeddingStore:
                 pos[new] = self.shard.insert(keys[new])
             self.counters["created"] += new.size
         idx = np.flatnonzero(keep)
-        n_in = self._cache_insert(keys[idx], rows[idx], pos[idx], True)
+        n_in = self._cache_insert(keys[idx], self._offered_rows(rows, idx), pos[idx], True)
         rest = idx[n_in:]
         if rest.size:
-            self._write_shard(pos[rest], keys[rest], rows[rest])
+            self._write_shard_at(pos, keys, rows, rest)
             self.counters["writethrough_rows"] += rest.size
 
     def warm(self, keys: np.ndarray) -> None:
