@@ -73,7 +73,7 @@ def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device
     cublas_note = cuda_determinism_env()  # before anything can initialise CUDA
     from hvctr.heap import fix_mmap_threshold
 
-    heap_note = fix_mmap_threshold()  # before the window's arrays: freed ones go back (hvctr.heap)
+    heap_note = fix_mmap_threshold()  # HVCTR_MALLOC_TUNE=1: freed arrays go back (hvctr.heap)
     import torch  # here, not at the top: the preflight before it needs none of it
 
     from hvctr.distributed import init_comm
