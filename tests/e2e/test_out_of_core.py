@@ -5,7 +5,7 @@ The limit is set by the floor, not by the table. Measured on the 2-core CI VM (c
 2026-12-03) at this module's configuration in an unlimited group: the two ranks' own memory
 (anon) peaks at 0.90 GiB together (about 220 MiB a rank before the first window: python with
 numpy, h5py, torch, Horovod and MPI, the shard and its pread pool; about 430 MiB a rank while
-training), and the group at 2.3 GiB with the page cache of the data, the shards and the
+training), and the group at 2.3-2.6 GiB with the page cache of the data, the shards and the
 checkpoint. So the issue's 64-128 MB limit cannot hold two torch ranks at all, and a table 10x
 the floor (12 GB of shards) takes far longer than the two minutes a test may: 400k synthetic
 rows, 8 unique keys each (3.4M rows stored, 1.1 GB of shard files) train in about 60 s a job
@@ -163,6 +163,7 @@ def test_out_of_core_training_in_a_memory_cgroup(ooc_data, tmp_path):
             group.close()
         assert r.returncode == 0, f"{tag} job failed ({r.returncode}, {stats}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         runs[tag] = (run, stats)
+        print(f"{tag}: {stats}")  # pytest -s shows what the group charged
     run, stats = runs["limited"]
     assert stats["oom_kills"] == 0, stats
     assert stats["peak"] <= LIMIT, stats
