@@ -86,13 +86,15 @@ def evaluation(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())["eval"]
 
 
-@pytest.mark.parametrize("np_,mode", [(2, "kstep"), (3, "kstep"), (3, "sync"), (3, "kstep-dense2")])
+@pytest.mark.parametrize("np_,mode", [(2, "kstep"), (3, "kstep"), (3, "sync"), (3, "kstep-dense2"), (3, "kstep-matched")])
 def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
     flags = [*SAME, f"--merge.mode={mode.split('-')[0]}", "--merge.every_k_steps=4"]
     if mode == "sync":
         flags[1] = "--train.max_steps=12"
     if mode == "kstep-dense2":  # the dense model also merges inside each window, its moves in fp16
         flags += ["--merge.dense_every_steps=2", "--merge.compression=fp16"]
+    if mode == "kstep-matched":  # the owners' rule of 16 ranks and more (merge.sparse_rule = auto), forced at 3
+        flags += ["--merge.sparse_rule=matched"]
     train(np_, tmp_path / "mpi", dataset, *flags)
     r = simulate(np_, tmp_path / "sim", dataset, *flags)
     compare(tmp_path / "mpi", tmp_path / "sim")
