@@ -131,6 +131,7 @@ def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows:
                                     if cfg.data.global_batch_size else cfg.data.batch_size_per_rank),
                every_k_steps=m.every_k_steps, mode=m.mode,
                states=m.states, compression=m.compression, dense_every_steps=m.dense_every_steps,
+               sparse_rule=m.sparse_rule,
                cpu_cache_bytes=s.cpu_cache_bytes,
                max_load_factor=s.max_load_factor, model=cfg.model, pass_rows=pass_rows, prefetch=cfg.data.prefetch)
 

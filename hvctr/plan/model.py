@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hvctr.config import BOTTOM_MLP_ARCHS, CROSS_ARCHS, Compression, MergeMode, MergeStates, ModelArch, ModelConfig
+from hvctr.config import BOTTOM_MLP_ARCHS, CROSS_ARCHS, Compression, MergeMode, MergeStates, ModelArch, ModelConfig, SparseRule
 from hvctr.formats import NUM_BUCKETS, SAMPLE_BYTES
 from hvctr.plan.gpus import GpuRates, gpu_rates
 from hvctr.plan.keyfreq import KeyCurve
@@ -70,6 +70,7 @@ class Job:
     states: MergeStates = MergeStates.PARAMS_M_V
     compression: Compression = Compression.NONE
     dense_every_steps: int = 0  # merge.dense_every_steps: dense merges inside a window too
+    sparse_rule: SparseRule = SparseRule.AVERAGE  # resolved: every rule but average reads the owner's rows again at the push
     cpu_cache_bytes: int = 256 << 20
     max_load_factor: float = 0.8
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -314,6 +315,8 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     else:
         merge = (dense_merge + 2 * c.unique(u) + c.copy(u * (row + KEY_BYTES))
                  + c.alltoall(u * f * (row + KEY_BYTES)) + c.cpu * u_o / r.cache_write_rows_per_s + dev)
+        if job.sparse_rule is not SparseRule.AVERAGE:  # the rows as pulled, read again (matched: their spread too)
+            merge += c.cpu * max(u_o - new_o, 0.0) / r.cache_rows_per_s + shard_read
     return {"prep": prep, "pull": pull, "compute": compute, "merge": merge, "shard_read": shard_read}
 
 
