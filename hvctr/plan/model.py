@@ -70,7 +70,7 @@ class Job:
     states: MergeStates = MergeStates.PARAMS_M_V
     compression: Compression = Compression.NONE
     dense_every_steps: int = 0  # merge.dense_every_steps: dense merges inside a window too
-    sparse_rule: SparseRule = SparseRule.AVERAGE  # resolved: every rule but average reads the owner's rows again at the push
+    sparse_rule: SparseRule = SparseRule.AVERAGE  # resolved: every rule but average keeps the owner's pulled rows to the push
     cpu_cache_bytes: int = 256 << 20
     max_load_factor: float = 0.8
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -315,8 +315,6 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     else:
         merge = (dense_merge + 2 * c.unique(u) + c.copy(u * (row + KEY_BYTES))
                  + c.alltoall(u * f * (row + KEY_BYTES)) + c.cpu * u_o / r.cache_write_rows_per_s + dev)
-        if job.sparse_rule is not SparseRule.AVERAGE:  # the rows as pulled, read again (matched: their spread too)
-            merge += c.cpu * max(u_o - new_o, 0.0) / r.cache_rows_per_s + shard_read
     return {"prep": prep, "pull": pull, "compute": compute, "merge": merge, "shard_read": shard_read}
 
 
@@ -361,6 +359,8 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     # Page cache: host memory the ranks leave free holds shard pages; a shard that does not
     # fit is read from the device at disk_rows_per_s.
     host_rank = _host_bytes_per_rank(job, u, P)
+    if job.sparse_rule is not SparseRule.AVERAGE:  # the owner's rows as pulled, kept for the push's rule
+        host_rank += u_o * layout.row_bytes
     free = node.host_memory_bytes - job.ranks_per_node * host_rank
     shard_in_ram = node.host_memory_bytes > 0 and free >= job.ranks_per_node * shard["total"]
     shard_rate = rates.shard_rows_per_s if shard_in_ram else rates.disk_rows_per_s

@@ -138,9 +138,12 @@ class Asked:
 class WindowExchange:
     """One window's exchanges with the owners, shared by its warm, pull and push: the routing of
     its keys and, once they were sent (by warm, else by the first pull), what this rank was
-    asked as their owner. ShardedTable fills ``asked``; with it, pull and push send no keys."""
+    asked as their owner. ShardedTable fills ``asked``; with it, pull and push send no keys.
+    ``pulled``: the rows this rank answered the pull with as an owner (``asked.uniq``'s), kept
+    for the push where merge.sparse_rule reads them (matched), so they are not read again."""
     routing: Routing
     asked: Asked | None = None
+    pulled: np.ndarray | None = None
 
 
 Exchange = WindowExchange | Keys  # what warm, pull and push take
@@ -290,7 +293,8 @@ class ShardedTable:
         WindowExchange whose keys went to their owners (warm) sends none again; one whose keys
         did not keeps the request this pull sends, for the window's push."""
         asked = self._kept(keys, name)
-        rows, asked = self._answer(self._routed(keys), name, "pull", self.store.read, asked)
+        window = keys if isinstance(keys, WindowExchange) else None
+        rows, asked = self._answer(self._routed(keys), name, "pull", self.store.read, asked, keep=window)
         if isinstance(keys, WindowExchange):
             keys.asked = asked
         return rows
@@ -300,11 +304,14 @@ class ShardedTable:
         return self._answer(self._routed(keys), name, "read_only", self.store.read_only)[0]
 
     def _answer(self, r: Routing, name: str, op: str, read: Callable[[np.ndarray], np.ndarray],
-                asked: Asked | None = None) -> tuple[torch.Tensor, Asked]:
+                asked: Asked | None = None, keep: "WindowExchange | None" = None) -> tuple[torch.Tensor, Asked]:
         with self._call(op) as rec:
             if asked is None:
                 asked = self._ask(rec, r, name)
-            rows = read(asked.uniq)[asked.inverse]
+            owned = read(asked.uniq)
+            if keep is not None and self.sparse_rule is not SparseRule.AVERAGE:
+                keep.pulled = owned  # the rows as pulled, for this window's push: not read again
+            rows = owned[asked.inverse]
             received = asked.received
             back, _ = self._alltoall(rec, torch.from_numpy(rows), received, f"{name}.rows")
             if r.in_order:  # a window's working set is laid out as the rows arrive
@@ -344,7 +351,11 @@ class ShardedTable:
                 if self.sparse_rule is SparseRule.AVERAGE:  # the copies are merged: freed before the write
                     del got, copies
             if self.sparse_rule is not SparseRule.AVERAGE:
-                old = self.store.read(uniq, count=False)  # the rows as pulled: nothing wrote them since
+                # the rows as pulled (nothing wrote them since): kept by the pull, else read again
+                kept = keys.pulled if asked is not None else None
+                old = kept if kept is not None else self.store.read(uniq, count=False)
+                if kept is not None:
+                    keys.pulled = None
                 spread = (contributor_spread(copies, inverse, old, count, self.store.layout)
                           if self.sparse_rule is SparseRule.MATCHED else None)
                 mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count, spread, steps)

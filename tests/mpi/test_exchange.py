@@ -302,7 +302,12 @@ def test_matched_rule_merges_as_row_merge_does(comm, shard_dir, how):
             c = ref[idx] + 0.01 * _delta(t, r, idx.size, layout.width)
             c[:, layout.step] = ref[idx, layout.step] + 1 + (idx % 2)
             copies.append((idx, c))
+        if how == "exchange":
+            assert x.pulled is not None  # the owner's rows as pulled, kept for the push
+            before = store.shard_traffic().get("push", {}).get("rows_read", 0)
         table.push(x, torch.from_numpy(copies[comm.rank][1]), name=f"m.u{t}", steps=steps)
+        if how == "exchange":  # not read again from the store (60 cache rows: they would come from the shard)
+            assert x.pulled is None and store.shard_traffic().get("push", {}).get("rows_read", 0) == before
         allidx = np.concatenate([i for i, _ in copies])
         allrows = np.concatenate([c for _, c in copies])
         uniq, inverse = np.unique(allidx, return_inverse=True)

@@ -312,16 +312,15 @@ def test_calibrate_measures_the_gpu_figures_the_plan_then_calls_measured():
     assert f["compute_source"] == "measured (rates file)"
 
 
-def test_a_scaling_owner_rule_reads_the_owners_rows_again_at_the_push():
+def test_a_scaling_owner_rule_keeps_the_owners_pulled_rows_to_the_push():
     """merge.sparse_rule other than average (matched, the default from 16 ranks on) reads the
-    rows as pulled again before the merge (hvctr.storage.exchange): the plan's merge adds that
-    read, from the cache and, for its misses, from the shard, as the pull's store reads are."""
+    rows as pulled at the push; the pull keeps them (hvctr.storage.exchange.WindowExchange.pulled)
+    instead of a second store read: host memory of one row per owned key of a window, no time."""
     from hvctr.config import SparseRule
 
     curve = zipf_curve(10**6, 1.1, 26)
     small_cache = dict(ranks_per_node=2, cpu_cache_bytes=1 << 20)
     avg = plan(_job(**small_cache), NODE, RATES, curve).figures
     matched = plan(_job(**small_cache, sparse_rule=SparseRule.MATCHED), NODE, RATES, curve).figures
-    extra = (avg["owner_rows_per_window"] / RATES.cache_rows_per_s + avg["shard_read_s_per_step"] * 8) / 8
-    assert matched["merge_s_per_step"] - avg["merge_s_per_step"] == pytest.approx(extra)
-    assert matched["pull_s_per_step"] == avg["pull_s_per_step"]
+    assert matched["host_bytes"] - avg["host_bytes"] == pytest.approx(avg["owner_rows_per_window"] * 4 * (3 * 17 + 1))
+    assert matched["step_s"] == avg["step_s"]
