@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from hvctr.checkpoint.format import TrainState, checkpoint_path, locate
 from hvctr.checkpoint.manager import CheckpointManager
-from hvctr.config import Compression, Config, MergeMode
+from hvctr.config import Compression, Config, MergeMode, SparseRule
 from hvctr.distributed.world import AgreedError
 from hvctr.formats import RowLayout, default_bucket_owner
 from hvctr.log import get_logger
@@ -162,6 +162,9 @@ class Trainer:
                     + (" (fp16 moves)" if self.merge_cfg.compression is Compression.FP16 else "")
                     if self.merge_cfg.dense_every_steps else "")
                  + (f" (from 1 over the first {schedule.k_warmup_steps} steps)" if schedule.k_warmup_steps else "")
+                 + (f", owners' rule {self.merge_cfg.sparse_rule.value}"
+                    if self.cfg.merge.mode is MergeMode.KSTEP and self.merge_cfg.sparse_rule is not SparseRule.AVERAGE
+                    else "")
                  + f"; {self.lr.describe()}")
         every = self.cfg.checkpoint.every_windows
         eval_every = self.cfg.metrics.eval_every_windows
