@@ -75,3 +75,13 @@ def run_data_prep(inputs, out: Path, shards: int, **job) -> dict:
     assert run_job(Comm(), Job(tuple(str(p) for p in inputs), str(out), shards, **job)) == 0
     return json.loads((out / "manifest.json").read_text())
 
+
+def synth_shards(root: Path, rows: int, shards: int = 2, seed: int = 3, valid_fraction: float = 0.1) -> Path:
+    """``rows`` rows of ``data_prep synth`` (root/in.tsv) preprocessed by ``data_prep criteo`` into
+    root/shards, both run as a user runs them; the shards' directory."""
+    subprocess.run([VENV_PY, "-m", "data_prep", "synth", "--rows", str(rows), "--seed", str(seed), "--out",
+                    str(root / "in.tsv")], check=True, capture_output=True, timeout=300)
+    subprocess.run([VENV_PY, "-m", "data_prep", "criteo", "--input", str(root / "in.tsv"), "--out",
+                    str(root / "shards"), "--shards", str(shards), "--valid-fraction", str(valid_fraction)],
+                   check=True, capture_output=True, timeout=300)
+    return root / "shards"

@@ -9,12 +9,11 @@ Real training: ``hvctr simulate --ranks 1`` runs the unmodified Trainer in this 
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from hvctr.cli import main
-from tests.conftest import VENV_PY
+from tests.conftest import synth_shards
 
 SMALL = ["--model.hidden=8", "--storage.dim=4", "--data.batch_size_per_rank=256", "--storage.rows_per_rank=100000",
          "--train.threads=1", "--metrics.log_every_steps=100"]
@@ -22,13 +21,7 @@ SMALL = ["--model.hidden=8", "--storage.dim=4", "--data.batch_size_per_rank=256"
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt-end")
-    subprocess.run([VENV_PY, "-m", "data_prep", "synth", "--rows", "8000", "--seed", "3", "--out",
-                    str(root / "in.tsv")], check=True, capture_output=True, timeout=300)
-    subprocess.run([VENV_PY, "-m", "data_prep", "criteo", "--input", str(root / "in.tsv"), "--out",
-                    str(root / "shards"), "--shards", "2", "--valid-fraction", "0.1"], check=True,
-                   capture_output=True, timeout=300)
-    return root / "shards"
+    return synth_shards(tmp_path_factory.mktemp("ckpt-end"), 8000)
 
 
 def checkpoints(run) -> list[tuple[int, list[int]]]:

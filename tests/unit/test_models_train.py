@@ -7,14 +7,13 @@ from the export alone.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
 
 from hvctr.cli import main
 from hvctr.checkpoint.format import read_manifest
-from tests.conftest import VENV_PY
+from tests.conftest import synth_shards
 
 SMALL = ["--model.hidden=16", "--storage.dim=4", "--model.bottom_mlp=16,4", "--data.batch_size_per_rank=256",
          "--storage.rows_per_rank=100000", "--train.threads=1", "--metrics.log_every_steps=4", "--train.max_steps=24"]
@@ -23,11 +22,7 @@ SMALL = ["--model.hidden=16", "--storage.dim=4", "--model.bottom_mlp=16,4", "--d
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("new-archs")
-    subprocess.run([VENV_PY, "-m", "data_prep", "synth", "--rows", "8000", "--seed", "3", "--out",
-                    str(root / "in.tsv")], check=True, capture_output=True, timeout=300)
-    subprocess.run([VENV_PY, "-m", "data_prep", "criteo", "--input", str(root / "in.tsv"), "--out",
-                    str(root / "shards"), "--shards", "2", "--valid-fraction", "0.1"], check=True,
-                   capture_output=True, timeout=300)
+    synth_shards(root, 8000)
     lines = (root / "in.tsv").read_bytes().splitlines(keepends=True)
     (root / "score.tsv").write_bytes(b"".join(lines[:300]))
     return root
