@@ -267,12 +267,16 @@ def _drop_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def _train_cmd(data: Path, run: Path, cache_bytes: int, rows_per_rank: int, extra: list[str]) -> list[str]:
+def _job_flags(cfg: dict) -> list[str]:
+    """The job's settings, as `hvctr train` and `hvctr plan` both take them."""
+    return [f"--storage.cpu_cache_bytes={cfg['cache_bytes']}", "--storage.dim=16", "--model.hidden=[512,256]",
+            f"--data.batch_size_per_rank={cfg['batch']}", f"--merge.every_k_steps={cfg['k']}"]
+
+
+def _train_cmd(data: Path, run: Path, cfg: dict, extra: list[str]) -> list[str]:
     return ["mpirun", "-np", "2", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m", "hvctr", "train",
-            f"--data.train_dir={data}", f"--train.run_dir={run}", f"--storage.cpu_cache_bytes={cache_bytes}",
-            f"--storage.rows_per_rank={rows_per_rank}", "--storage.dim=16", "--model.hidden=[512,256]",
-            "--data.batch_size_per_rank=4096", "--merge.every_k_steps=8", "--metrics.eval_every_windows=0",
-            "--train.stall_timeout_s=900", *extra]
+            f"--data.train_dir={data}", f"--train.run_dir={run}", f"--storage.rows_per_rank={cfg['rows_per_rank']}",
+            *_job_flags(cfg), "--metrics.eval_every_windows=0", "--train.stall_timeout_s=900", *extra]
 
 
 def _checkpoint_times(log_text: str) -> list[tuple[str, float]]:
@@ -288,9 +292,9 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: P
     cgroup.reset_peak()
     steps_per_pass = cfg["steps_per_pass"]
     # pass 1, a checkpoint (the base) at its end; pass 2 to the end, a checkpoint (a delta) there
-    common = [f"--checkpoint.every_windows={steps_per_pass // 8}", "--checkpoint.compact_every=1000",
+    common = [f"--checkpoint.every_windows={steps_per_pass // cfg['k']}", "--checkpoint.compact_every=1000",
               "--train.epochs=2"]
-    t = _run(wrap(_train_cmd(data, run, cfg["cache_bytes"], cfg["rows_per_rank"], common)), log, work)
+    t = _run(wrap(_train_cmd(data, run, cfg, common)), log, work)
     summary = json.loads((run / "summary.json").read_text())
     text = (run / "logs" / "rank-00000.log").read_text(errors="replace") if (run / "logs" / "rank-00000.log").exists() else ""
     ckpt = _checkpoint_times(text)
@@ -299,8 +303,8 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: P
     mem = cgroup.read()
     # resume: one more window from the newest checkpoint (the working shards rebuilt from it)
     _drop_cache(shards)
-    t_resume = _run(wrap(_train_cmd(data, run, cfg["cache_bytes"], cfg["rows_per_rank"],
-                                    [*common, "--resume", f"--train.max_steps={summary['steps'] + 8}"])), log, work)
+    t_resume = _run(wrap(_train_cmd(data, run, cfg, [*common, "--resume",
+                                                     f"--train.max_steps={summary['steps'] + cfg['k']}"])), log, work)
     resumed = _resume_seconds((run / "logs" / "rank-00000.log").read_text(errors="replace"))
     mem_resume = cgroup.read()
     # export inside the cgroup too: its sort holds --memory-mib, whatever the table (hvctr.offline.keysort)
@@ -315,6 +319,8 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: P
     out = {
         "name": name, "wall_s": round(t, 1), "samples": summary["samples"], "steps": summary["steps"],
         "samples_per_s": summary["samples_per_s"], "cache_hit_rate": store["cache_hit_rate"],
+        # a training step's time on rank 0: its whole time but checkpoints and the ends of passes ("io")
+        "step_s": (summary["seconds"] - summary.get("time_split_s", {}).get("io", 0.0)) / max(summary["steps"], 1),
         "rows_read": store["shard_bytes_read"] // cfg["row_bytes"], "read_calls": store.get("shard_io_read_calls", 0),
         "index_blocks_read": store.get("shard_index_blocks_read", 0), "shard_s": round(store["shard_s"], 2),
         "exchange_shard_s": round(shard_s, 2), "shard_bytes": shard_bytes, "checkpoints": ckpt,
@@ -324,6 +330,33 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: P
     }
     shutil.rmtree(work / f"export-{name}", ignore_errors=True)
     shutil.rmtree(run, ignore_errors=True)
+    return out
+
+
+def predict(data: Path, cfg: dict, dev: dict, memory: int, work: Path) -> dict:
+    """`hvctr plan`'s figures for this job on this machine (slurm/hwmaps/vm-2cpu.toml, the rates
+    `hvctr bench --calibrate` wrote to hvctr/plan/rates.toml) with one rate measured here: the
+    shard rows the device gives at the pool's depth (random 208-byte rows/s, pages dropped) as
+    ``disk_rows_per_s``; ``memory``: what the job may use (the cgroup's limit; 0: the machine's)."""
+    import dataclasses
+
+    from hvctr.plan.cmd import DEFAULT_RATES
+    from hvctr.plan.rates import load_rates, write_rates
+
+    rf = load_rates(DEFAULT_RATES)
+    rate = float(dev.get("pool_rows_per_s") or dev["iops_depth32"])
+    measured = dataclasses.replace(rf, entries=tuple(dataclasses.replace(e, disk_rows_per_s=rate) for e in rf.entries))
+    path = work / "rates-measured.toml"
+    write_rates(measured, path, [f"bench.scale: {DEFAULT_RATES} with disk_rows_per_s = {rate:,.0f} measured on the "
+                                 f"file system of {work} ({dev['tool']})"])
+    cmd = [sys.executable, "-m", "hvctr", "plan", "--map", str(REPO / "slurm/hwmaps/vm-2cpu.toml"),
+           "--ranks-per-node", "2", "--threads-per-rank", "1", "--data", str(data), "--rates", str(path), "--json",
+           *(["--memory-bytes", str(memory)] if memory else []), *_job_flags(cfg)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=work)
+    if r.returncode != 0:
+        raise SystemExit(f"bench.scale: {' '.join(cmd[:4])} ... failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
+    out = json.loads(r.stdout)
+    out["disk_rows_per_s"] = rate
     return out
 
 
@@ -348,7 +381,7 @@ def report(res: dict) -> str:
     best = dev["iops_depth32"]
     lines = [
         f"Data: {cfg['rows']:,} rows of `data_prep synth --unique-fields {cfg['unique_fields']}` ({res['keys']:,} "
-        f"distinct keys), 2 ranks, 2 passes, batch 4096 a rank, k = 8, DNN 26 x 16 -> 512-256-1, "
+        f"distinct keys), 2 ranks, 2 passes, batch {cfg['batch']} a rank, k = {cfg['k']}, DNN 26 x 16 -> 512-256-1, "
         f"storage.cpu_cache_bytes = {cfg['cache_bytes']:,} a rank, storage.rows_per_rank = {cfg['rows_per_rank']:,}; "
         f"shards {gb(b['shard_bytes'])} on disk; memory limit {cfg['limit'] / 2**30:,.2f} GiB "
         f"({cfg['kind']}, page cache counted): the table is {b['shard_bytes'] / cfg['limit']:.1f}x the limit.",
@@ -382,14 +415,34 @@ def report(res: dict) -> str:
         tb = [s for k, s in b["checkpoints"] if k == kind]
         if ta and tb:
             lines.append(f"| checkpoint {kind} (the last) | {ta[-1]:.1f} s | {tb[-1]:.1f} s | {tb[-1] / max(ta[-1], 1e-9):.2f}x |")
+    pa, pb = res.get("plan_unlimited"), res.get("plan_limited")
+    if pa and pb:
+        fa, fb = pa["figures"], pb["figures"]
+        err = lambda r, f: f"{f['step_s'] / r['step_s'] - 1:+.0%}"
+        lines += [
+            f"| a step, measured (rank 0, checkpoints and ends of passes left out) | {1e3 * a['step_s']:,.1f} ms | "
+            f"{1e3 * b['step_s']:,.1f} ms | {b['step_s'] / a['step_s']:.2f}x |",
+            f"| a step, `hvctr plan` (error; bound by) | {1e3 * fa['step_s']:,.1f} ms ({err(a, fa)}; {fa['bound_by']}) | "
+            f"{1e3 * fb['step_s']:,.1f} ms ({err(b, fb)}; {fb['bound_by']}) | |",
+            f"| of which the shard's reads, planned (a step) | {1e3 * fa['shard_read_s_per_step']:,.1f} ms | "
+            f"{1e3 * fb['shard_read_s_per_step']:,.1f} ms | |",
+            f"| cache hit rate, planned | {fa['cache_hit_rate']:.3f} | {fb['cache_hit_rate']:.3f} | |",
+        ]
     lines += [
         f"| resume (start to the first window) | {a['resume_s'] or a['resume_wall_s']} s | {b['resume_s'] or b['resume_wall_s']} s | |",
         f"| export | {a['export_s']} s | {b['export_s']} s | |",
         "",
         f"Targets: limited >= 0.7x unlimited; shard reads >= 0.8x the device's best random-read rate; peak "
         f"within the limit. Met: {b['samples_per_s'] / a['samples_per_s'] >= 0.7}, "
-        f"{per_s(b, 'read_calls') / best >= 0.8}, {b['memory_all'].get('peak', 0) <= cfg['limit']}.",
+        f"{per_s(b, 'read_calls') / best >= 0.8}, {b['memory_all'].get('peak', 0) <= cfg['limit']}"
+        + (f"; the planner's step within 25% in the cgroup: {abs(pb['figures']['step_s'] / b['step_s'] - 1) <= 0.25}."
+           if pa and pb else "."),
     ]
+    if pb:
+        lines += ["", f"The plan in the cgroup (`hvctr plan --memory-bytes {cfg['limit']}`, disk_rows_per_s "
+                      f"{pb['disk_rows_per_s']:,.0f} as measured here) says:"]
+        lines += [f"- {f['where']}: {f['status']}: {f['why']}" for f in pb["fits"]]
+        lines += [f"- {n}" for n in pb["notes"]]
     return "\n".join(lines)
 
 
@@ -401,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unique-fields", type=int, default=8, help="keys a row that no other row has (default 8)")
     p.add_argument("--rows", type=int, default=0, help="rows of data (default: enough keys for --table-gb)")
     p.add_argument("--cache-mib", type=int, default=128, help="storage.cpu_cache_bytes a rank, MiB (default 128)")
+    p.add_argument("--batch", type=int, default=4096, help="data.batch_size_per_rank (default 4096)")
+    p.add_argument("--k", type=int, default=8, help="merge.every_k_steps (default 8): a smaller window holds less")
     p.add_argument("--work", default="", help="work directory (default: a new one under /var/tmp)")
     p.add_argument("--fio-seconds", type=int, default=15)
     p.add_argument("--device-only", action="store_true", help="measure the device and the pool, then stop")
@@ -438,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     train_rows = sum(s["rows"] for s in manifest["shards"]["train"])
     cfg = {"rows": rows, "unique_fields": args.unique_fields, "cache_bytes": args.cache_mib << 20,
            "rows_per_rank": rows_per_rank, "limit": limit, "kind": kind, "row_bytes": row_bytes,
-           "steps_per_pass": train_rows // 2 // 4096}
+           "batch": args.batch, "k": args.k, "steps_per_pass": train_rows // 2 // args.batch}
     res = {"config": cfg, "device": dev, "keys": int(manifest["totals"].get("distinct_keys_estimate_total", keys_est))}
     if args.limited_only:
         group = Cgroup(kind, limit, "limited")
@@ -455,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         res["unlimited"] = one_run("unlimited", data, work, cfg, free, log)
     finally:
         free.close()
+    res["plan_unlimited"] = predict(data, cfg, dev, 0, work)
     anon = res["unlimited"]["memory"]["anon_peak"]  # training's; resume's and export's are reported apart
     print(f"bench.scale: unlimited {res['unlimited']['samples_per_s']:,.0f} samples/s; the job's own memory "
           f"peaked at {anon / 2**30:,.2f} GiB", flush=True)
@@ -471,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         group.close()
     print(f"bench.scale: limited {res['limited']['samples_per_s']:,.0f} samples/s", flush=True)
+    res["plan_limited"] = predict(data, cfg, dev, limit, work)
     text = report(res)
     print(text)
     if args.out:

@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-bytes", type=_count, default=0,
                    help="size of one SSD (default: its file system, when the map's SSD directory is on this machine)")
     p.add_argument("--gpu-memory-bytes", type=_count, default=0, help="default: read from the GPU model name (40GB)")
+    p.add_argument("--memory-bytes", type=_count, default=0,
+                   help="host memory the job may use on a node, page cache included (Slurm --mem, a memory cgroup's "
+                        "limit); default: the map's NUMA memory")
     p.add_argument("--config", help="a training config TOML (model, storage, merge, data sections)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
@@ -100,8 +103,9 @@ def _ssd_size(path: str) -> float:
 
 
 def node_info(hwmap: HardwareMap, ranks_per_node: int, threads: int = 0, ssd_bytes: int = 0,
-              gpu_memory_bytes: int = 0) -> NodeInfo:
-    """One node as the planner sees it: cpus, memory, GPUs, SSD, from the map's placement plan."""
+              gpu_memory_bytes: int = 0, memory_bytes: int = 0) -> NodeInfo:
+    """One node as the planner sees it: cpus, memory, GPUs, SSD, from the map's placement plan.
+    ``memory_bytes``: what the job may use (a limit that counts page cache), else the map's memory."""
     plans = plan_node(hwmap, ranks_per_node, oversubscribe=True)
     by_note: dict[str, list[int]] = {}
     for p in plans:
@@ -119,7 +123,8 @@ def node_info(hwmap: HardwareMap, ranks_per_node: int, threads: int = 0, ssd_byt
     if not threads:
         threads = 1 if not hwmap.gpus and ranks_per_node >= cpus else max(len(plans[0].cpus), 1)
     return NodeInfo(name=hwmap.name, cpus=cpus, threads_per_rank=threads,
-                    host_memory_bytes=sum(n.memory_gib for n in hwmap.numa) * 2**30, gpus=len(hwmap.gpus),
+                    host_memory_bytes=memory_bytes or sum(n.memory_gib for n in hwmap.numa) * 2**30,
+                    gpus=len(hwmap.gpus),
                     gpu_memory_bytes=gpu_mem, gpu_model=hwmap.gpus[0].model if hwmap.gpus else "", ssd_bytes=ssd, ranks_per_ssd=per_ssd,
                     notes=tuple(notes + ([gpu_note] if gpu_note else [])))
 
@@ -171,7 +176,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nodes > 1 and not entry.nic_bytes_per_s:
         raise ValueError(f"{args.rates}: nic_bytes_per_s is 0 (not measured on one node): pass --nic-gbps for "
                          f"{args.nodes} nodes")
-    node = node_info(hwmap, rpn, args.threads_per_rank, args.ssd_bytes, args.gpu_memory_bytes)
+    node = node_info(hwmap, rpn, args.threads_per_rank, args.ssd_bytes, args.gpu_memory_bytes, args.memory_bytes)
     p = plan(job_from(cfg, args.nodes, rpn, keys, pass_rows), node, entry, curve)
     if args.data and args.keys and curve.keys > args.keys:
         p.fits.append(("table", NO_FIT,

@@ -324,3 +324,20 @@ def test_a_scaling_owner_rule_keeps_the_owners_pulled_rows_to_the_push():
     matched = plan(_job(**small_cache, sparse_rule=SparseRule.MATCHED), NODE, RATES, curve).figures
     assert matched["host_bytes"] - avg["host_bytes"] == pytest.approx(avg["owner_rows_per_window"] * 4 * (3 * 17 + 1))
     assert matched["step_s"] == avg["step_s"]
+
+
+def test_a_memory_limit_below_the_table_makes_shard_reads_come_from_the_device():
+    """`hvctr plan --memory-bytes` (a cgroup's or Slurm's limit, page cache counted): a table
+    that no longer fits in what the job may use is read at disk_rows_per_s, not from the page cache."""
+    from hvctr.plan.cmd import node_info
+    from hvctr.topo.hwmap import load_map
+
+    hwmap = load_map("slurm/hwmaps/vm-2cpu.toml")
+    roomy, tight = node_info(hwmap, 2), node_info(hwmap, 2, memory_bytes=2**30)
+    assert roomy.host_memory_bytes == 23.5 * 2**30 and tight.host_memory_bytes == 2**30
+    curve = zipf_curve(4 * 10**7, 1.1, 26)
+    job = _job(keys=4 * 10**7, ranks_per_node=2, cpu_cache_bytes=32 << 20)
+    a, b = plan(job, roomy, RATES, curve), plan(job, tight, RATES, curve)
+    ratio = RATES.shard_rows_per_s / RATES.disk_rows_per_s
+    assert b.figures["shard_read_s_per_step"] == pytest.approx(ratio * a.figures["shard_read_s_per_step"])
+    assert "SSD" in dict((w, why) for w, _, why in b.fits)["page cache"]
