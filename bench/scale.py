@@ -276,7 +276,11 @@ def _job_flags(cfg: dict) -> list[str]:
 def _train_cmd(data: Path, run: Path, cfg: dict, extra: list[str]) -> list[str]:
     return ["mpirun", "-np", "2", "--bind-to", "none", sys.executable, "-m", "mpi4py", "-m", "hvctr", "train",
             f"--data.train_dir={data}", f"--train.run_dir={run}", f"--storage.rows_per_rank={cfg['rows_per_rank']}",
-            *_job_flags(cfg), "--metrics.eval_every_windows=0", "--train.stall_timeout_s=900", *extra]
+            *_job_flags(cfg), "--metrics.eval_every_windows=0", "--train.stall_timeout_s=900",
+            # both runs hand their freed memory back after each window (hvctr.heap), as a job under a
+            # limit does by default: the runs differ by the limit alone, and the unlimited run's own
+            # memory is what the limited one needs beside its page cache
+            "--storage.heap_trim=window", *extra]
 
 
 def _checkpoint_times(log_text: str) -> list[tuple[str, float]]:
@@ -313,6 +317,17 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: P
                     log, work)
     export_bytes = sum(p.stat().st_size for p in (work / f"export-{name}").rglob("*") if p.is_file())
     mem_all = cgroup.read()
+    first = None
+    if name == "unlimited":  # the reference of the kill phase: the model at the first checkpoint
+        m = re.search(r"checkpoint ckpt-000000 \((?:base|delta)\b[^)]*\) written at step (\d+)", text)
+        if m:
+            out_first = work / "export-unlimited-first"
+            shutil.rmtree(out_first, ignore_errors=True)
+            _run(wrap([sys.executable, "-m", "hvctr", "export", "--run-dir", str(run), "--checkpoint",
+                       str(run / "checkpoints" / "ckpt-000000"), "--out", str(out_first),
+                       f"--memory-mib={EXPORT_MEMORY_MIB}"]), log, work)
+            first = {"step": int(m.group(1)), "digests": export_digests(out_first)}
+            shutil.rmtree(out_first, ignore_errors=True)
     store = summary["store"]
     shard_s = max(summary["exchange"].get("warm_shard_s", 0) + summary["exchange"].get("pull_shard_s", 0)
                   + summary["exchange"].get("push_shard_s", 0), 1e-9)
@@ -326,9 +341,100 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: P
         "exchange_shard_s": round(shard_s, 2), "shard_bytes": shard_bytes, "checkpoints": ckpt,
         "resume_s": resumed, "resume_wall_s": round(t_resume, 1), "export_s": round(t_export, 1),
         "export_bytes": export_bytes, "time_split_s": summary.get("time_split_s", {}),
-        "memory": mem, "memory_resume": mem_resume, "memory_all": mem_all,
+        "memory": mem, "memory_resume": mem_resume, "memory_all": mem_all, "first_checkpoint": first,
     }
     shutil.rmtree(work / f"export-{name}", ignore_errors=True)
+    shutil.rmtree(run, ignore_errors=True)
+    return out
+
+
+def export_digests(out: Path) -> dict[str, str]:
+    """sha256 of every model file of an export (its manifest names the run: left out)."""
+    import hashlib
+
+    digests = {}
+    for f in sorted(out.rglob("*")):
+        if f.is_file() and f.name != "manifest.json":
+            h = hashlib.sha256()
+            with open(f, "rb") as fp:
+                while chunk := fp.read(1 << 24):
+                    h.update(chunk)
+            digests[str(f.relative_to(out))] = h.hexdigest()
+    if not digests:
+        raise SystemExit(f"bench.scale: the export {out} holds no model files")
+    return digests
+
+
+def _rank_pid(cgroup: "Cgroup", rank: int) -> int | None:
+    """The pid of training rank ``rank`` among the cgroup's processes (OMPI_COMM_WORLD_RANK)."""
+    for line in (cgroup.path / "cgroup.procs").read_text().split():
+        try:
+            env = Path(f"/proc/{line}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{line}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"hvctr" in cmd and f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+            return int(line)
+    return None
+
+
+def kill_during_checkpoint(data: Path, work: Path, cfg: dict, cgroup: "Cgroup", log: Path, first: dict) -> dict:
+    """Issue 26 item 4, inside the memory cgroup: the job of the unlimited run up to its first
+    checkpoint's step S, with a checkpoint every quarter of it (a base, then deltas: bases of the
+    whole table at every quarter would not fit this machine's disk beside the shards); rank 1
+    SIGKILLed while it writes checkpoint 1 (a delta of a quarter of the table's rows; its rank file
+    still a temporary file); resumed (from checkpoint 0, the partial one set aside) to step S;
+    exported. Its model files must equal, sha256 for sha256,
+    the export of the unlimited run's checkpoint at S."""
+    import signal
+
+    run = work / "run-killed"
+    shutil.rmtree(run, ignore_errors=True)
+    S = first["step"]
+    every = max(S // cfg["k"] // 4, 1)
+    flags = [f"--checkpoint.every_windows={every}", "--checkpoint.compact_every=1000", "--train.epochs=2",
+             f"--train.max_steps={S}"]
+    cmd = cgroup.wrap(_train_cmd(data, run, cfg, flags))
+    target = run / "checkpoints" / "ckpt-000001"
+    killed_at = None
+    t0 = time.monotonic()
+    with open(log, "ab") as f:
+        f.write(("$ " + " ".join(cmd) + "   # rank 1 to be SIGKILLed inside checkpoint 1\n").encode())
+        f.flush()
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=work, env=_env())
+        while p.poll() is None and killed_at is None:
+            if (target / "manifest.json").exists():
+                break  # written before a look found its temporary file: reported below
+            if any(target.glob("rank-00001.h5.*.tmp")):
+                pid = _rank_pid(cgroup, 1)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed_at = time.monotonic() - t0
+            time.sleep(0.05)
+        rc = p.wait(timeout=900)
+    partial = not (target / "manifest.json").exists()
+    tmp_bytes = sum(f.stat().st_size for f in target.glob("rank-*.h5*")) if target.is_dir() else 0
+    out = {"partial_bytes": tmp_bytes, "step": S, "every_windows": every, "killed_after_s": killed_at, "job_rc": rc,
+           "checkpoint_left_partial": partial}
+    if killed_at is None or not partial:
+        out["ok"] = False
+        out["why"] = "checkpoint 1 was complete before the kill reached rank 1" if killed_at else "no kill"
+        return out
+    t_resume = _run(cgroup.wrap(_train_cmd(data, run, cfg, [*flags, "--resume"])), log, work)
+    text = (run / "logs" / "rank-00000.log").read_text(errors="replace")
+    m = re.findall(r"resumed from checkpoint (\d+) ", text)
+    export = work / "export-killed"
+    shutil.rmtree(export, ignore_errors=True)
+    _run(cgroup.wrap([sys.executable, "-m", "hvctr", "export", "--run-dir", str(run), "--out", str(export),
+                      f"--memory-mib={EXPORT_MEMORY_MIB}"]), log, work)
+    digests = export_digests(export)
+    out.update({"resumed_from": int(m[-1]) if m else None, "resume_wall_s": round(t_resume, 1),
+                "set_aside": (run / "checkpoints" / "rejected" / "ckpt-000001").is_dir(),
+                "files": len(digests), "export_equal": digests == first["digests"],
+                "differing": sorted(k for k in digests.keys() | first["digests"].keys()
+                                    if digests.get(k) != first["digests"].get(k))})
+    out["ok"] = bool(out["export_equal"] and out["resumed_from"] == 0)
+    shutil.rmtree(export, ignore_errors=True)
     shutil.rmtree(run, ignore_errors=True)
     return out
 
@@ -438,6 +544,18 @@ def report(res: dict) -> str:
         + (f"; the planner's step within 25% in the cgroup: {abs(pb['figures']['step_s'] / b['step_s'] - 1) <= 0.25}."
            if pa and pb else "."),
     ]
+    kd = res.get("killed")
+    if kd:
+        lines += ["", f"A kill inside a checkpoint (in the cgroup): the job to step {kd['step']:,} with a checkpoint "
+                      f"every {kd['every_windows']:,} windows (a base, then deltas); rank 1 SIGKILLed "
+                      + (f"{kd['killed_after_s']:,.0f} s in, while its file of checkpoint 1 was still a temporary "
+                         f"file ({kd['partial_bytes'] / 1e9:,.2f} GB of rank files on disk; the job ended with rc {kd['job_rc']})"
+                         if kd.get("killed_after_s") else "(missed)")
+                      + (f"; resumed from checkpoint {kd.get('resumed_from')} in {kd.get('resume_wall_s')} s "
+                         f"(checkpoint 1 set aside: {kd.get('set_aside')}); its export against the unlimited run's "
+                         f"checkpoint at step {kd['step']:,}: {kd.get('files')} model files, "
+                         + ("sha256-equal" if kd.get("export_equal") else f"DIFFERENT: {kd.get('differing')}")
+                         if "export_equal" in kd else f": {kd.get('why')}") + "."]
     if pb:
         lines += ["", f"The plan in the cgroup (`hvctr plan --memory-bytes {cfg['limit']}`, disk_rows_per_s "
                       f"{pb['disk_rows_per_s']:,.0f} as measured here) says:"]
@@ -461,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-only", action="store_true", help="measure the device and the pool, then stop")
     p.add_argument("--limited-only", action="store_true",
                    help="run only the job inside the cgroup (its figures as JSON; the unlimited run from an earlier one)")
+    p.add_argument("--no-kill", dest="kill", action="store_false",
+                   help="leave out the third job (rank 1 SIGKILLed inside a checkpoint, resumed, export compared)")
     p.add_argument("--out", default="", help="also write the results as JSON here")
     p.add_argument("--write", default="", help="put the report into this Markdown file (BENCHMARKS.md)")
     args = p.parse_args(argv)
@@ -527,6 +647,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         group.close()
     print(f"bench.scale: limited {res['limited']['samples_per_s']:,.0f} samples/s", flush=True)
+    first = res["unlimited"].get("first_checkpoint")
+    if args.kill and first:
+        group = Cgroup(kind, limit, "killed")
+        try:
+            res["killed"] = kill_during_checkpoint(data, work, cfg, group, log, first)
+            res["killed"]["memory"] = group.read()
+        finally:
+            group.close()
+        print(f"bench.scale: kill during a checkpoint: {res['killed']}", flush=True)
     res["plan_limited"] = predict(data, cfg, dev, limit, work)
     text = report(res)
     print(text)

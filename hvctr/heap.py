@@ -18,12 +18,23 @@ rank less at the peak (RssAnon 882 -> 709 MiB), and training 18-20% slower in tw
 (page faults: 5.6M, 41 s of system time in a 66 s job at B = 2048). Where
 ``MALLOC_MMAP_THRESHOLD_`` (glibc's own tunable, which any threshold can be set with) is in the
 environment, or the C library is not glibc, it changes nothing.
+
+``HeapTrimmer`` is the default way back (``storage.heap_trim``): ``malloc_trim(0)`` after each
+window, which hands every whole free page of every glibc heap back to the system (the pages of
+the window's freed arrays) without changing how arrays are allocated. Measured at 2 ranks on a
+16.7 GB table (batch 2048, k = 4, cache 32 MiB, 800 steps; BENCHMARKS.md, issue 26) together with
+the 16 MiB fusion buffer (hvctr.distributed.world): a rank's peak anonymous memory 974 -> about
+560 MiB. A window's arrays then fault their pages in again once per window, not once per
+array as with the fixed threshold above. ``auto`` trims only where the job runs under a memory
+limit (a memory cgroup with a limit: Slurm's ConstrainRAMSpace, a container), where memory the
+process keeps is memory the page cache of the table does not get.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
@@ -43,3 +54,37 @@ def fix_mmap_threshold(threshold: int = THRESHOLD, environ=os.environ) -> str:
     if not (mallopt(M_MMAP_THRESHOLD, threshold) and mallopt(M_TRIM_THRESHOLD, threshold)):
         return ""
     return f"malloc: arrays of {threshold >> 10} KiB and more mapped and unmapped on their own (hvctr.heap)"
+
+
+def _malloc_trim():
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+class HeapTrimmer:
+    """``trim()`` hands the free pages of the C heaps back to the system where ``enabled``;
+    ``calls`` and ``seconds`` say what it cost (the run's summary)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._fn = _malloc_trim() if enabled else None
+        self.enabled = self._fn is not None
+        self.calls = 0
+        self.seconds = 0.0
+
+    def trim(self) -> None:
+        if self._fn is None:
+            return
+        t0 = time.perf_counter()
+        self._fn(0)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+
+
+def trim_wanted(policy: str, memory_limited: bool) -> bool:
+    """Whether ``storage.heap_trim = policy`` trims: "window" always, "off" never, "auto" where
+    the job's memory is limited."""
+    return policy == "window" or (policy == "auto" and memory_limited)

@@ -68,6 +68,12 @@ class ShardIO(str, enum.Enum):
     MMAP = "mmap"  # the reference path: rows through np.memmap, one page fault at a time
 
 
+class HeapTrim(str, enum.Enum):
+    AUTO = "auto"  # after each window where the job runs under a memory limit (a memory cgroup's)
+    WINDOW = "window"  # after each window, always
+    OFF = "off"  # never: freed memory stays with the process until glibc reuses it
+
+
 class ModelArch(str, enum.Enum):
     DNN = "dnn"
     DEEPFM = "deepfm"
@@ -123,6 +129,10 @@ class StorageConfig:
     # (the reference path, and the one taken under HVCTR_NATIVE=0)
     shard_io: ShardIO = ShardIO.PREAD
     io_threads: int = 32  # reads in flight per rank on the pread path (this disk saturates near 32)
+    # give the free pages of the C heaps back to the system (malloc_trim) after each window: the
+    # window's freed arrays, otherwise kept by the process where a memory limit wants them for
+    # the page cache (hvctr.heap)
+    heap_trim: HeapTrim = HeapTrim.AUTO
     lfu_aging_lookups: int = 1 << 22  # LFU counts halve after this many key lookups
     max_working_set_rows: int = 1 << 21  # bound of a window's unique rows; the window shrinks to fit
     admit_after: int = 0  # a key seen fewer times is not stored: it reads the shared default row

@@ -33,7 +33,7 @@ import torch
 import horovod.torch as hvd
 
 from hvctr.distributed.watchdog import CollectiveWatchdog
-from hvctr.distributed.world import agree_on, world_rank  # noqa: F401 (world_rank: callers import it here)
+from hvctr.distributed.world import FUSION_THRESHOLD_BYTES, agree_on, world_rank  # noqa: F401 (world_rank: callers import it here)
 
 T = TypeVar("T")
 
@@ -255,6 +255,7 @@ def init_comm(ranks_per_virtual_node: int = 0, stall_timeout_s: float = 0.0, pro
     if hvd.is_initialized():
         raise RuntimeError("init_comm called twice in one process")
     stall_warnings(stall_timeout_s)
+    os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", str(FUSION_THRESHOLD_BYTES))  # read by hvd.init
     nodes = _node_grouping(ranks_per_virtual_node)
     process_sets = []
     leader_ranks = [g[0] for g in nodes]

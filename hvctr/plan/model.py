@@ -46,14 +46,15 @@ from hvctr.plan.keyfreq import KeyCurve
 from hvctr.plan.rates import Rates
 from hvctr.storage.cache import entries_for_budget
 from hvctr.formats import RowLayout
-from hvctr.storage.shard import INDEX_DTYPE, META_DTYPE, num_slots_for
+from hvctr.storage.shard import INDEX_DTYPE, META_DTYPE, memory_bytes, num_slots_for
 
 KEY_BYTES = 8
 FITS, NO_FIT, UNKNOWN, INFO = "fits", "DOES NOT FIT", "unknown", "info"
-# A rank's memory besides the cache and the window buffers: Python, torch, h5py, Horovod and
-# its fusion buffer. Measured RSS of a CPU rank right after start-up on this machine type: an
-# assumption elsewhere.
-BASE_RANK_BYTES = 400 << 20
+# A rank's memory besides the cache, the window buffers and the shard's filter: Python, torch
+# (with torch._dynamo, which torch.optim imports), h5py, Horovod and its 16 MiB fusion buffer
+# (hvctr.distributed.world). Measured RSS of a CPU rank right after start-up on this machine
+# type was 400 MiB with Horovod's own fusion buffer of 128 MiB: an assumption elsewhere.
+BASE_RANK_BYTES = 290 << 20
 
 
 @dataclass(frozen=True)
@@ -445,10 +446,12 @@ def _stretch(job: Job, node: NodeInfo, rates: Rates) -> float:
 
 
 def _host_bytes_per_rank(job: Job, u: float, params: int) -> float:
-    """Cache budget + working set and its messages + two windows of data + dense state + base."""
+    """Cache budget + working set and its messages + two windows of data + dense state + the
+    shard's key filter and waiting index entries + base."""
     row = RowLayout(job.dim).row_bytes
     window_data = 2 * job.k * job.batch_size_per_rank * (SAMPLE_BYTES + 8 * job.model.num_fields)
-    return job.cpu_cache_bytes + 3 * u * row + window_data + 8 * params * 4 + BASE_RANK_BYTES
+    shard = memory_bytes(rows_per_rank(job.keys, job.world_size), job.max_load_factor)
+    return job.cpu_cache_bytes + 3 * u * row + window_data + 8 * params * 4 + shard + BASE_RANK_BYTES
 
 
 def _device_bytes(job: Job, u: float, params: int) -> float:

@@ -12,7 +12,8 @@ result for all, so what a rank receives does not depend on thread timing.
 Summation order. ``reduce_order = "ring"`` (the default) adds floats in the order OpenMPI's
 ring allreduce (``coll_tuned_allreduce_algorithm = 4``, what the equality tests pin) adds them
 for a Horovod grouped allreduce: the group's tensors of one dtype are concatenated in list
-order (Horovod's fusion buffer, up to ``HOROVOD_FUSION_THRESHOLD`` bytes, 64 MiB by default),
+order (Horovod's fusion buffer, up to ``HOROVOD_FUSION_THRESHOLD`` bytes, hvctr's 16 MiB by default:
+hvctr.distributed.world.FUSION_THRESHOLD_BYTES),
 the buffer is cut into W blocks (the first ``count % W`` one element longer), and block j is
 summed from rank j upwards: ``((x_j + x_{j+1}) + x_{j+2}) + ...`` (ranks mod W). Buffers of
 fewer than W elements (OpenMPI switches to recursive doubling there; only the few-element
@@ -40,12 +41,11 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from hvctr.distributed.world import agree_on
+from hvctr.distributed.world import agree_on, fusion_threshold_bytes
 
 T = TypeVar("T")
 
 REDUCE_ORDERS = ("ring", "rank")
-_DEFAULT_FUSION_BYTES = 64 << 20  # Horovod's HOROVOD_FUSION_THRESHOLD default
 
 
 class SimulationAborted(RuntimeError):
@@ -70,7 +70,7 @@ class ThreadWorld:
     size: int
     node_ranks: list[list[int]] = field(default_factory=list)  # ranks of each node; default: one node
     reduce_order: str = "ring"
-    fusion_threshold_bytes: int = -1  # -1: HOROVOD_FUSION_THRESHOLD, else Horovod's default
+    fusion_threshold_bytes: int = -1  # -1: HOROVOD_FUSION_THRESHOLD, else hvctr's default (as the real job)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -82,7 +82,7 @@ class ThreadWorld:
         if sorted(r for g in self.node_ranks for r in g) != list(range(self.size)):
             raise ValueError(f"node grouping {self.node_ranks} does not cover ranks 0..{self.size - 1} once")
         if self.fusion_threshold_bytes < 0:
-            self.fusion_threshold_bytes = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", _DEFAULT_FUSION_BYTES))
+            self.fusion_threshold_bytes = fusion_threshold_bytes()
         self._cv = threading.Condition()
         self._holder: int | None = 0
         self._seq = [0] * self.size

@@ -121,6 +121,18 @@ def num_slots_for(capacity: int, max_load_factor: float) -> int:
     return math.ceil(capacity / max_load_factor / SLOTS_PER_BLOCK) * SLOTS_PER_BLOCK
 
 
+def pending_capacity(capacity: int, num_slots: int) -> int:
+    """New index entries a pread-path shard keeps in memory before writing them (see _PENDING_PER_BLOCK)."""
+    return min(capacity, _PENDING_MAX, max(num_slots // SLOTS_PER_BLOCK * _PENDING_PER_BLOCK, 4096))
+
+
+def memory_bytes(capacity: int, max_load_factor: float) -> int:
+    """A pread-path shard's own memory: its key filter (10 bits a row of capacity) and its new
+    index entries in waiting (an array of twice their capacity, and the batches they came in)."""
+    pending = pending_capacity(capacity, num_slots_for(capacity, max_load_factor))
+    return (max(capacity * 10, 1 << 16) + 7) // 8 + 3 * pending * INDEX_DTYPE.itemsize
+
+
 def _reserve_and_clear_index(path: str, index_offset: int, num_slots: int) -> None:
     """Reserves every block of the file (posix_fallocate), then writes the index's empty marker."""
     with reserved(path) as fd:
@@ -292,8 +304,7 @@ class Shard:
         self._causes: list[str] = []
         self._mark = self._cause_totals()
         self.key_filter: KeyFilter | None = None
-        self._pending_cap = min(self.capacity, _PENDING_MAX,
-                                max(self.num_slots // SLOTS_PER_BLOCK * _PENDING_PER_BLOCK, 4096))
+        self._pending_cap = pending_capacity(self.capacity, self.num_slots)
         self._pending: np.ndarray | None = None
         self._pending_parts: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending_n = 0

@@ -32,7 +32,9 @@ from hvctr.checkpoint.format import TrainState, checkpoint_path, locate
 from hvctr.checkpoint.manager import CheckpointManager
 from hvctr.config import Compression, Config, MergeMode, SparseRule
 from hvctr.distributed.world import AgreedError
+from hvctr import memcg
 from hvctr.formats import RowLayout, default_bucket_owner
+from hvctr.heap import HeapTrimmer, trim_wanted
 from hvctr.log import get_logger
 from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
@@ -95,6 +97,7 @@ class Trainer:
                            cfg.data.batch_size_per_rank, comm.size,
                            tensorboard_dir=run_dir / "tensorboard" if cfg.metrics.tensorboard else None)
         self.stop = stop or StopRequest()  # carried by the next merge as [stop, checkpoint] flags
+        self.heap = self._build_heap_trimmer()
         self._ws_rows = 0  # rows of the last window's working set
         self._merge_ms = 0.0  # dense merge + sparse push of the last window
         self.preempted = False
@@ -124,6 +127,16 @@ class Trainer:
         # comm: allgather of shard-creation errors (a full disk is one rank's: no rank waits alone)
         store = self.comm.agree(create, name="shard.create")
         return store, ShardedTable(self.comm, store, owner, self.device, self.merge_cfg.sparse_rule)
+
+    def _build_heap_trimmer(self) -> HeapTrimmer:
+        """storage.heap_trim: the C heaps' free pages back to the system after each window."""
+        limit = memcg.current()
+        heap = HeapTrimmer(trim_wanted(self.cfg.storage.heap_trim.value, limit is not None))
+        if heap.enabled and self.comm.rank == 0:
+            why = (f"a memory limit of {limit.limit / 2**30:,.2f} GiB" if limit is not None
+                   else "storage.heap_trim = window")
+            log.info(f"heap: freed memory handed back to the system after each window ({why}; hvctr.heap)")
+        return heap
 
     def _build_reducer(self) -> KStepMerger | SyncGradients:
         params = list(self.model.parameters())
@@ -183,6 +196,8 @@ class Trainer:
                     break
                 if eval_every and self.state.window % eval_every == 0 and self.state.step < total:
                     self.validate()  # every rank alike: the window count is agreed
+                with self.meter.phase("merge"):  # the window's end: its freed arrays
+                    self.heap.trim()
                 self.meter.maybe_log(self.state.step, total, self._progress_extra())
         finally:
             source.close()
@@ -474,6 +489,7 @@ class Trainer:
             # per table operation (pull, push, warm, ...): calls, seconds split into exchange,
             # cache, shard and other, bytes to and from other ranks
             "exchange": {k: round(v, 4) for k, v in self.table.stats().items()},
+            "heap_trim": {"calls": self.heap.calls, "seconds": round(self.heap.seconds, 3)},
             "preempted": self.preempted,
         }
 
