@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -82,6 +83,8 @@ _PENDING_MAX = 1 << 21
 # What ``Shard.by_cause`` counts for each cause of shard traffic: rows read (read_rows,
 # read_range), index blocks read, and the pool's system calls and bytes. A write of rows that
 # share pages with other rows reads those pages first: write_calls counts those preads too.
+# Beside them, ``seconds``: the wall time spent inside the cause's shard calls (the pool's reads
+# and writes, index probes and the CPU work between them), so that a cause's rates can be read.
 CAUSE_COUNTERS = ("rows_read", "index_blocks_read", "read_calls", "read_bytes", "write_calls", "write_bytes")
 
 
@@ -303,6 +306,7 @@ class Shard:
         self.by_cause: dict[str, dict[str, int]] = {}
         self._causes: list[str] = []
         self._mark = self._cause_totals()
+        self._mark_t = time.perf_counter()
         self.key_filter: KeyFilter | None = None
         self._pending_cap = pending_capacity(self.capacity, self.num_slots)
         self._pending: np.ndarray | None = None
@@ -328,13 +332,15 @@ class Shard:
 
     def _settle(self) -> None:
         """Credits the traffic since the last mark to the cause in force ("other" outside any)."""
-        now = self._cause_totals()
-        if now != self._mark:
+        now, t = self._cause_totals(), time.perf_counter()
+        if now != self._mark or self._causes:
             acc = self.by_cause.setdefault(self._causes[-1] if self._causes else "other",
-                                           dict.fromkeys(CAUSE_COUNTERS, 0))
+                                           {**dict.fromkeys(CAUSE_COUNTERS, 0), "seconds": 0.0})
             for name, a, b in zip(CAUSE_COUNTERS, now, self._mark):
                 acc[name] += a - b
-        self._mark = now
+            if self._causes:  # time outside every attributed block is not the shard's
+                acc["seconds"] += t - self._mark_t
+        self._mark, self._mark_t = now, t
 
     @contextmanager
     def attributed(self, cause: str) -> Iterator[None]:

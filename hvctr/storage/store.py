@@ -520,9 +520,9 @@ class EmbeddingStore:
             **self.counters,
         }
 
-    def shard_traffic(self) -> dict[str, dict[str, int]]:
+    def shard_traffic(self) -> dict[str, dict[str, float]]:
         """The shard's traffic split by cause: {cause: {rows_read, index_blocks_read, read_calls,
-        read_bytes, write_calls, write_bytes}} (hvctr.storage.shard.CAUSE_COUNTERS). Causes:
+        read_bytes, write_calls, write_bytes, seconds}} (hvctr.storage.shard.CAUSE_COUNTERS). Causes:
         warm (the prefetch), pull (a window's reads of rows the cache lacks, new keys' index
         entries), push (its index lookups of rows the cache lacks; its old rows, where
         merge.sparse_rule or sync mode reads them again), writeback (evicted dirty rows and
