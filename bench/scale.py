@@ -151,22 +151,32 @@ class Cgroup:
 # --- the device ------------------------------------------------------------------------------
 
 
-def _pool_rate(path: Path, size: int, seconds: int, threads: int, item: int) -> int:
-    """Items of ``item`` bytes at random sorted positions of ``path`` read per second by hvctr's pool
-    (storage.io_threads = ``threads``), the file's pages dropped first, in batches of 20k as a
-    window's cold rows come."""
+def _pool_rate(path: Path, size: int, seconds: int, threads: int, item: int, write: bool = False,
+               cached: bool = False) -> int:
+    """Items of ``item`` bytes at random sorted positions of ``path`` read (``write``: written,
+    as the store's write-back does: each page read, changed, written, then flushed and dropped)
+    per second by hvctr's pool (storage.io_threads = ``threads``), in batches of 20k as a
+    window's cold rows come; the file's pages dropped first, unless ``cached`` (the file read
+    into the page cache first: what a row or index block costs that the page cache holds)."""
     from hvctr.kernels import diskio
 
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        rng = np.random.default_rng(threads)
+        if cached:
+            with open(path, "rb", buffering=0) as f:
+                while f.read(1 << 24):
+                    pass
+        rng = np.random.default_rng(threads + 2 * write + cached)
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             pos = np.unique(rng.integers(0, size // item, 20000 if threads > 1 else 2000))
-            buf = np.empty(pos.size * item, dtype=np.uint8)
-            diskio.read(fd, str(path), 0, item, pos, buf, threads)
+            buf = np.zeros(pos.size * item, dtype=np.uint8)
+            if write:
+                diskio.write(fd, str(path), 0, item, pos, buf, threads, True)
+            else:
+                diskio.read(fd, str(path), 0, item, pos, buf, threads)
             n += pos.size
         return round(n / (time.perf_counter() - t0))
     finally:
@@ -194,7 +204,7 @@ def device_rate(work: Path, seconds: int) -> dict:
                                    capture_output=True, text=True, check=True)
                 out[f"iops_depth{depth}"] = round(json.loads(r.stdout)["jobs"][0]["read"]["iops"])
             out["pool_pages_per_s"] = _pool_rate(path, size, seconds, 32, 4096)
-            out["pool_rows_per_s"] = _pool_rate(path, size, seconds, 32, 208)
+            out.update(_pool_row_rates(path, size, seconds))
             return out
         from hvctr.kernels import diskio
         out = {"tool": "hvctr's pread pool (fio not installed), 4 KiB randread, page cache dropped"}
@@ -213,9 +223,19 @@ def device_rate(work: Path, seconds: int) -> dict:
                 out[f"iops_depth{depth}"] = round(n / (time.perf_counter() - t0))
         finally:
             os.close(fd)
+        out.update(_pool_row_rates(path, size, seconds))
         return out
     finally:
         path.unlink(missing_ok=True)
+
+
+def _pool_row_rates(path: Path, size: int, seconds: int) -> dict:
+    """The pool's rates for 208-byte rows (D = 16) at random places of the probe file: read from
+    the device, read from the page cache, and written back (page read, written, flushed, dropped),
+    the three things a window's shard traffic is made of (``predict`` gives them to the planner)."""
+    return {"pool_rows_per_s": _pool_rate(path, size, seconds, 32, 208),
+            "pool_rows_cached_per_s": _pool_rate(path, size, seconds, 32, 208, cached=True),
+            "pool_write_rows_per_s": _pool_rate(path, size, seconds, 32, 208, write=True)}
 
 
 # --- the job ---------------------------------------------------------------------------------

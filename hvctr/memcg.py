@@ -90,15 +90,34 @@ def group_dir(proc_cgroup: str = "/proc/self/cgroup", v1_root: str = V1_ROOT,
     return None
 
 
+def _v2_limit(path: str) -> int | None:
+    """The lowest memory.max of the group and its ancestors (an ancestor's limit binds too)."""
+    limit = None
+    here = os.path.abspath(path)
+    while os.path.isfile(os.path.join(here, "memory.max")):
+        own = _read_int(os.path.join(here, "memory.max"))
+        if own is not None and (limit is None or own < limit):
+            limit = own
+        up = os.path.dirname(here)
+        if up == here:
+            break
+        here = up
+    return limit
+
+
 def read_group(path: str, version: int | None = None) -> MemoryCgroup:
     """Where the memory cgroup at ``path`` stands (version: found from its files when None)."""
     if version is None:
         version = 1 if os.path.isfile(os.path.join(path, "memory.limit_in_bytes")) else 2
     if version == 1:
         limit = _read_int(os.path.join(path, "memory.limit_in_bytes"))
+        st = _stat(os.path.join(path, "memory.stat"))
+        # an ancestor's limit binds too (Slurm limits the job's group, its tasks live below it)
+        inherited = st.get("hierarchical_memory_limit")
+        if inherited is not None and (limit is None or inherited < limit):
+            limit = inherited
         if limit is not None and limit >= _V1_UNLIMITED:
             limit = None
-        st = _stat(os.path.join(path, "memory.stat"))
         return MemoryCgroup(path=path, version=1, limit=limit,
                             usage=_read_int(os.path.join(path, "memory.usage_in_bytes")) or 0,
                             page_cache=st.get("total_cache", st.get("cache", 0)),
@@ -108,7 +127,7 @@ def read_group(path: str, version: int | None = None) -> MemoryCgroup:
                             limit_hits=_read_int(os.path.join(path, "memory.failcnt")) or 0)
     st = _stat(os.path.join(path, "memory.stat"))
     events = _stat(os.path.join(path, "memory.events"))
-    return MemoryCgroup(path=path, version=2, limit=_read_int(os.path.join(path, "memory.max")),
+    return MemoryCgroup(path=path, version=2, limit=_v2_limit(path),
                         usage=_read_int(os.path.join(path, "memory.current")) or 0,
                         page_cache=st.get("file", 0), dirty=st.get("file_dirty", 0), anon=st.get("anon", 0),
                         peak=_read_int(os.path.join(path, "memory.peak")) or 0,

@@ -68,6 +68,12 @@ class ShardIO(str, enum.Enum):
     MMAP = "mmap"  # the reference path: rows through np.memmap, one page fault at a time
 
 
+class WriteBehind(str, enum.Enum):
+    AUTO = "auto"  # on where the job runs under a memory limit (a memory cgroup's), off elsewhere
+    ON = "on"  # every shard write flushed to the device, its pages dropped from the page cache
+    OFF = "off"  # written pages left to the kernel (dirty, then clean and cached): no wait on the device
+
+
 class HeapTrim(str, enum.Enum):
     AUTO = "auto"  # after each window where the job runs under a memory limit (a memory cgroup's)
     WINDOW = "window"  # after each window, always
@@ -129,6 +135,11 @@ class StorageConfig:
     # (the reference path, and the one taken under HVCTR_NATIVE=0)
     shard_io: ShardIO = ShardIO.PREAD
     io_threads: int = 32  # reads in flight per rank on the pread path (this disk saturates near 32)
+    # the pread path's shard writes (write-back, flushes, the index): flushed to the device as
+    # they are written and their pages dropped (a memory cgroup counts page cache, and v1 does
+    # not throttle a group's dirty pages: reclaim would wait on them), or left to the kernel's
+    # page cache, where a row written in one window is still there when the next reads it
+    write_behind: WriteBehind = WriteBehind.AUTO
     # give the free pages of the C heaps back to the system (malloc_trim) after each window: the
     # window's freed arrays, otherwise kept by the process where a memory limit wants them for
     # the page cache (hvctr.heap)

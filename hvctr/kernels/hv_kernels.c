@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "hv_row.h"
@@ -333,8 +334,9 @@ void hv_sum_rows_ld(const int64_t *inverse, int64_t n, const float *grad, int64_
    the kernel never reads a partly written page itself (buffered writes to one file serialise on
    its inode lock: a page read inside one would be a read at depth 1). Runs of one write never
    share a page. With HV_IO_WRITE_BEHIND the written span is then flushed (sync_file_range) and
-   dropped from the page cache: a memory cgroup counts page cache, and v1 does not throttle a
-   group's dirty pages.
+   the pages written (the runs, not the span between them) dropped from the page cache: a memory
+   cgroup counts page cache, and v1 does not throttle a group's dirty pages. Pages of the span
+   this write did not touch (rows and index blocks read earlier, still clean and useful) stay.
 
    Both return 0, or -errno of the first failed system call (-EIO: an item past the end of the
    file). stats (if not NULL): [runs, bytes moved by system calls, system calls]. */
@@ -417,6 +419,21 @@ static int64_t io_pwrite(hv_io_job *jb, const char *p, int64_t len, int64_t at)
     return 0;
 }
 
+/* A pool thread's scratch comes straight from mmap, not malloc: from a thread, malloc takes it
+   from one of glibc's per-thread arenas (once freed numpy arrays have raised glibc's mmap
+   threshold above its size), and those arenas kept tens of MiB of a rank's memory that
+   malloc_trim gave back only in part. munmap hands it back at once, whatever the threshold. */
+static char *io_scratch_new(int64_t bytes)
+{
+    void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : (char *)p;
+}
+
+static void io_scratch_free(char *p, int64_t bytes)
+{
+    if (p) munmap(p, (size_t)bytes);
+}
+
 static int64_t io_do_run(hv_io_job *jb, const hv_io_run *r, char **scratch, int64_t *cap)
 {
     const int64_t ib = jb->item_bytes, span = r->hi - r->lo;
@@ -430,9 +447,9 @@ static int64_t io_do_run(hv_io_job *jb, const hv_io_run *r, char **scratch, int6
         return rc;
     }
     if (span > *cap) {
-        char *bigger = malloc((size_t)span);
+        char *bigger = io_scratch_new(span);
         if (!bigger) return -ENOMEM;
-        free(*scratch);
+        io_scratch_free(*scratch, *cap);
         *scratch = bigger;
         *cap = span;
     }
@@ -476,7 +493,7 @@ static void *io_worker(void *arg)
 {
     hv_io_job *jb = arg;
     int64_t cap = HV_IO_MAX_RUN + 2 * HV_IO_PAGE;
-    char *scratch = malloc((size_t)cap);
+    char *scratch = io_scratch_new(cap);
     if (!scratch) {
         int64_t zero = 0;
         __atomic_compare_exchange_n(&jb->err, &zero, -ENOMEM, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
@@ -493,7 +510,7 @@ static void *io_worker(void *arg)
             break;
         }
     }
-    free(scratch);
+    io_scratch_free(scratch, cap);
     return NULL;
 }
 
@@ -526,7 +543,11 @@ static int64_t io_batch(int64_t fd, int64_t base, int64_t item_bytes, const int6
                                                        SYNC_FILE_RANGE_WAIT_AFTER) < 0)
             rc = -errno;
         else
-            posix_fadvise((int)fd, lo, hi - lo, POSIX_FADV_DONTNEED);
+            for (int64_t k = 0; k < jb.nruns;) { /* the runs written, adjacent ones as one range */
+                int64_t a = runs[k].lo, b = runs[k].hi;
+                for (++k; k < jb.nruns && runs[k].lo <= b; ++k) b = runs[k].hi > b ? runs[k].hi : b;
+                posix_fadvise((int)fd, a, b - a, POSIX_FADV_DONTNEED);
+            }
     }
     if (stats) { stats[0] = jb.nruns; stats[1] = jb.bytes; stats[2] = jb.calls; }
     free(runs);

@@ -245,8 +245,9 @@ class Shard:
     """
 
     def __init__(self, path: str | Path, writable: bool = True, io: str = "pread",
-                 io_threads: int = diskio.DEFAULT_THREADS) -> None:
+                 io_threads: int = diskio.DEFAULT_THREADS, write_behind: bool = True) -> None:
         self.path = str(path)
+        self.write_behind = write_behind  # pread path: writes flushed and their pages dropped
         if io not in SHARD_IO:
             raise ValueError(f"config key 'storage.shard_io': {io!r}; expected one of {', '.join(SHARD_IO)}")
         if io_threads < 1:
@@ -360,7 +361,8 @@ class Shard:
     @classmethod
     def create(cls, path: str | Path, *, dim: int, capacity: int, world_size: int, rank: int,
                bucket_owner: np.ndarray, seed: int, init_scale: float,
-               max_load_factor: float, io: str = "pread", io_threads: int = diskio.DEFAULT_THREADS) -> "Shard":
+               max_load_factor: float, io: str = "pread", io_threads: int = diskio.DEFAULT_THREADS,
+               write_behind: bool = True) -> "Shard":
         """Writes an empty shard under a temporary name, allocates it fully, renames it.
 
         HDF5 writes only the skeleton (attributes, the bucket table, dataset headers: KiBs);
@@ -405,12 +407,12 @@ class Shard:
                              f"{capacity} rows and their index): {e.strerror or e}; {remedy(e, Path(path).parent)}, "
                              f"point storage.shard_dir at another disk or lower storage.rows_per_rank") from None
         os.replace(tmp, path)
-        return cls(path, io=io, io_threads=io_threads)
+        return cls(path, io=io, io_threads=io_threads, write_behind=write_behind)
 
     @classmethod
     def open(cls, path: str | Path, writable: bool = True, io: str = "pread",
-             io_threads: int = diskio.DEFAULT_THREADS) -> "Shard":
-        return cls(path, writable, io, io_threads)
+             io_threads: int = diskio.DEFAULT_THREADS, write_behind: bool = True) -> "Shard":
+        return cls(path, writable, io, io_threads, write_behind)
 
     # --- index -------------------------------------------------------------------------
 
@@ -561,7 +563,7 @@ class Shard:
                     changed = np.flatnonzero(dirty)
                     if changed.size:
                         diskio.write(self._fd, self.path, self._off["index"], BLOCK_BYTES, blocks[changed],
-                                       data[changed], self.io_threads, True, self.io_stats)
+                                       data[changed], self.io_threads, self.write_behind, self.io_stats)
                         self.bytes_written += int(np.count_nonzero(nt < 0)) * INDEX_DTYPE.itemsize
                 if left < 0:
                     raise AssertionError(f"shard {self.path}: the index has no free slot for a key")  # load is bounded
@@ -593,8 +595,8 @@ class Shard:
         diskio.read(self._fd, self.path, self._off[dataset], item_bytes, pos, out, self.io_threads, self.io_stats)
 
     def _io_write(self, dataset: str, item_bytes: int, pos: np.ndarray, data: np.ndarray) -> int:
-        diskio.write(self._fd, self.path, self._off[dataset], item_bytes, pos, data, self.io_threads, True,
-                       self.io_stats)
+        diskio.write(self._fd, self.path, self._off[dataset], item_bytes, pos, data, self.io_threads,
+                     self.write_behind, self.io_stats)
         return pos.shape[0] * item_bytes
 
     def read_rows(self, pos: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -23,7 +23,8 @@ from typing import Iterator
 
 import numpy as np
 
-from hvctr.config import StorageConfig
+from hvctr import memcg
+from hvctr.config import StorageConfig, WriteBehind
 from hvctr.formats import default_bucket_owner, mix64, owner_of
 from hvctr.kernels import unique_in_order
 from hvctr.storage.cache import RowCache
@@ -114,6 +115,9 @@ class EmbeddingStore:
         self.cfg = cfg
         self.layout = RowLayout(cfg.dim)
         self.path = str(path)
+        # storage.write_behind: auto flushes and drops the shard's writes under a memory limit only
+        self.write_behind = (cfg.write_behind is WriteBehind.ON
+                             or (cfg.write_behind is WriteBehind.AUTO and memcg.current() is not None))
         exists = os.path.exists(self.path)
         if create is False and not exists:
             raise ValueError(f"shard file {self.path} does not exist")
@@ -141,7 +145,7 @@ class EmbeddingStore:
         self._thread_times = threading.local()  # the same, per calling thread (exchange timing)
 
     def _io(self) -> dict:
-        return {"io": self.cfg.shard_io.value, "io_threads": self.cfg.io_threads}
+        return {"io": self.cfg.shard_io.value, "io_threads": self.cfg.io_threads, "write_behind": self.write_behind}
 
     def _check_matches(self, rank: int, world_size: int) -> None:
         s = self.shard

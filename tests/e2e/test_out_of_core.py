@@ -19,6 +19,14 @@ of the limit, the table is not several times it. What this catches: a change tha
 mapped), or the ranks' own memory grow with the table, or the model depend on the limit.
 BENCHMARKS.md ("A table larger than memory") has the 16.7 GB run.
 
+The table ten times the limit is the storage tier's test
+(``test_storage_tier_with_a_table_ten_times_its_memory_cgroup``): two processes, one a rank,
+each driving its EmbeddingStore (shard, pread pool, cache, key filter, index entries in
+waiting) through training's windows without torch (tests/e2e/store_windows.py), inside a 128
+MiB group with 1.4 GB of shard files, checked against the mmap reference path run without a
+limit: what catches a storage path that maps the whole table, keeps its pages dirty, or grows
+with the table.
+
 Asserted: the limited job exits 0; the group's peak (v1 memory.max_usage_in_bytes, v2
 memory.peak) stays at or under the limit; no OOM kill (v1 memory.oom_control, v2
 memory.events); the shard files together are at least TABLE_RATIO x the limit; the export of
@@ -31,6 +39,7 @@ is removed afterwards, its processes killed first, whatever the outcome.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -39,7 +48,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import VENV_PY
+from tests.conftest import REPO, VENV_PY
 from tests.e2e.helpers import job_env
 
 V1 = Path("/sys/fs/cgroup/memory")
@@ -118,6 +127,10 @@ class MemoryGroup:
         raise AssertionError(f"cannot remove the test's memory cgroup {self.path}")
 
 
+STORE_LIMIT = 128 << 20
+STORE_KEYS = 2_600_000  # a rank's keys: two shard files of 0.7 GB, the table 10.4x STORE_LIMIT
+
+
 def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=timeout)
 
@@ -174,3 +187,41 @@ def test_out_of_core_training_in_a_memory_cgroup(ooc_data, tmp_path):
     assert shards >= TABLE_RATIO * LIMIT, f"shard files {shards:,} bytes, under {TABLE_RATIO} x the limit {LIMIT:,}"
     assert _export_digests(run, tmp_path / "export-limited") == _export_digests(runs["free"][0],
                                                                                 tmp_path / "export-free")
+
+
+def test_storage_tier_with_a_table_ten_times_its_memory_cgroup(tmp_path):
+    """Two ranks' storage tiers in a 128 MiB memory cgroup, their shard files together more
+    than 10x the limit: no OOM kill, the group's peak at or under the limit, and every row
+    bit-identical to the mmap reference path's run without a limit."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: it creates a memory cgroup")
+    kind = _memory_controller()
+    if kind is None:
+        pytest.skip(f"no memory cgroup controller ({V1} not mounted, no memory in {V2}/cgroup.subtree_control)")
+    out = {}
+    for tag, limit, io in (("limited", STORE_LIMIT, "pread"), ("reference", 0, "mmap")):
+        group = MemoryGroup(kind, limit, f"store-{tag}")
+        d = tmp_path / tag
+        d.mkdir()
+        try:
+            procs = [subprocess.Popen(group.wrap([VENV_PY, "-m", "tests.e2e.store_windows", "--dir", str(d),
+                                                  "--rank", str(r), "--world", "2", "--keys", str(STORE_KEYS),
+                                                  "--io", io]),
+                                      env=job_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                     for r in (0, 1)]
+            res = [p.communicate(timeout=900) for p in procs]
+            stats = group.read()
+        finally:
+            group.close()
+        for r, (p, (o, e)) in enumerate(zip(procs, res)):
+            assert p.returncode == 0, (f"{tag} rank {r} failed ({p.returncode}, {stats}; an OOM kill's memory "
+                                       f"report is in dmesg):\n{o[-2000:]}\n{e[-3000:]}")
+        out[tag] = ([json.loads(o.strip().splitlines()[-1]) for o, _ in res], stats)
+        print(f"{tag}: {stats} {out[tag][0]}")  # pytest -s shows what the group charged
+    ranks, stats = out["limited"]
+    assert stats["oom_kills"] == 0, stats
+    assert stats["peak"] <= STORE_LIMIT, stats
+    table = sum(r["shard_bytes"] for r in ranks)
+    assert table >= 10 * STORE_LIMIT, f"shard files {table:,} bytes, under 10 x the limit {STORE_LIMIT:,}"
+    assert all(r["rows"] >= STORE_KEYS for r in ranks), ranks
+    assert [r["rows_sha256"] for r in ranks] == [r["rows_sha256"] for r in out["reference"][0]]
