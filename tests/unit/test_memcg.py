@@ -72,3 +72,22 @@ def test_a_process_in_a_real_v1_group_sees_its_limit():
         assert r.stdout.split() == [g, "1", str(512 << 20)]
     finally:
         os.rmdir(g)
+
+
+def test_an_ancestors_limit_binds_a_group_without_its_own(tmp_path):
+    """Slurm limits the job's group; its tasks run in groups below it with no limit of their
+    own: v1 says so in memory.stat's hierarchical_memory_limit, v2 in the parents' memory.max."""
+    g, proc = _v1(tmp_path, limit=9223372036854771712, usage=1, cache=0, rss=1)
+    with open(g / "memory.stat", "a") as f:
+        f.write(f"hierarchical_memory_limit {3 << 30}\n")
+    m = memcg.current(str(proc), v1_root=str(tmp_path / "memory"), v2_root=str(tmp_path / "none"))
+    assert m is not None and m.limit == 3 << 30
+    job = tmp_path / "v2" / "job_9"
+    task = job / "step_0" / "task_0"
+    task.mkdir(parents=True)
+    for d, limit in ((job, str(1 << 30)), (job / "step_0", "max"), (task, "max")):
+        (d / "memory.max").write_text(f"{limit}\n")
+        (d / "memory.current").write_text("4096\n")
+    (tmp_path / "cgroup2").write_text("0::/job_9/step_0/task_0\n")
+    m = memcg.current(str(tmp_path / "cgroup2"), v1_root=str(tmp_path / "nov1"), v2_root=str(tmp_path / "v2"))
+    assert m is not None and (m.version, m.limit) == (2, 1 << 30)

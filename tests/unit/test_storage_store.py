@@ -252,3 +252,24 @@ def test_a_warm_window_is_read_from_the_shard_once_however_small_the_cache(tmp_p
     assert reads("pull") == window.size - cache_rows // 2  # the held rows were all still there
     assert store.cache.n_held == 0  # the pull took them: ordinary entries again
     np.testing.assert_array_equal(store.read(uni[other]), want[other] + 1)
+
+
+def test_write_behind_follows_the_memory_limit_unless_set(tmp_path, monkeypatch):
+    """storage.write_behind = auto flushes and drops the shard's writes only where the job has
+    a memory limit (hvctr.memcg.current()); on and off say so whatever the limit. The rows
+    are the same either way."""
+    from hvctr import memcg
+    from hvctr.config import WriteBehind
+
+    keys = np.arange(1, 2001, dtype=np.uint64)
+    got = {}
+    for tag, setting, limited in (("auto-free", WriteBehind.AUTO, False), ("auto-limited", WriteBehind.AUTO, True),
+                                  ("on", WriteBehind.ON, False), ("off", WriteBehind.OFF, True)):
+        monkeypatch.setattr(memcg, "current", (lambda: object()) if limited else (lambda: None))
+        cfg = StorageConfig(dim=DIM, rows_per_rank=4096, cpu_cache_bytes=1 << 16, write_behind=setting)
+        with EmbeddingStore(cfg, tmp_path / f"{tag}.h5") as store:
+            assert store.write_behind == store.shard.write_behind == (tag in ("auto-limited", "on")), tag
+            store.write(keys, store.read(keys) + 1.0)  # most rows past the small cache: written back
+            got[tag] = store.read_only(keys)
+    for tag in got:
+        np.testing.assert_array_equal(got[tag], got["auto-free"])
