@@ -173,8 +173,8 @@ def _pool_rate(path: Path, size: int, seconds: int, threads: int, item: int, wri
         while time.perf_counter() - t0 < seconds:
             pos = np.unique(rng.integers(0, size // item, 20000 if threads > 1 else 2000))
             buf = np.zeros(pos.size * item, dtype=np.uint8)
-            if write:
-                diskio.write(fd, str(path), 0, item, pos, buf, threads, True)
+            if write:  # flushed and dropped behind where the pages were dropped (as under a limit)
+                diskio.write(fd, str(path), 0, item, pos, buf, threads, not cached)
             else:
                 diskio.read(fd, str(path), 0, item, pos, buf, threads)
             n += pos.size
@@ -230,12 +230,15 @@ def device_rate(work: Path, seconds: int) -> dict:
 
 
 def _pool_row_rates(path: Path, size: int, seconds: int) -> dict:
-    """The pool's rates for 208-byte rows (D = 16) at random places of the probe file: read from
-    the device, read from the page cache, and written back (page read, written, flushed, dropped),
-    the three things a window's shard traffic is made of (``predict`` gives them to the planner)."""
+    """The pool's rates for 208-byte rows (D = 16) at random places of the probe file, the things
+    a window's shard traffic is made of (``predict`` gives them to the planner): read from the
+    device and from the page cache; written back as under a memory limit (the page read from the
+    device, written, flushed, dropped: storage.write_behind on) and as without one (the page in
+    the page cache, written there)."""
     return {"pool_rows_per_s": _pool_rate(path, size, seconds, 32, 208),
             "pool_rows_cached_per_s": _pool_rate(path, size, seconds, 32, 208, cached=True),
-            "pool_write_rows_per_s": _pool_rate(path, size, seconds, 32, 208, write=True)}
+            "pool_write_rows_per_s": _pool_rate(path, size, seconds, 32, 208, write=True),
+            "pool_write_rows_cached_per_s": _pool_rate(path, size, seconds, 32, 208, write=True, cached=True)}
 
 
 # --- the job ---------------------------------------------------------------------------------
@@ -357,6 +360,7 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: P
         # a training step's time on rank 0: its whole time but checkpoints and the ends of passes ("io")
         "step_s": (summary["seconds"] - summary.get("time_split_s", {}).get("io", 0.0)) / max(summary["steps"], 1),
         "rows_read": store["shard_bytes_read"] // cfg["row_bytes"], "read_calls": store.get("shard_io_read_calls", 0),
+        "rows_written": int(store.get("writeback_rows", 0) + store.get("writethrough_rows", 0)),
         "index_blocks_read": store.get("shard_index_blocks_read", 0), "shard_s": round(store["shard_s"], 2),
         "exchange_shard_s": round(shard_s, 2), "shard_bytes": shard_bytes, "checkpoints": ckpt,
         "resume_s": resumed, "resume_wall_s": round(t_resume, 1), "export_s": round(t_export, 1),
@@ -463,28 +467,47 @@ def kill_during_checkpoint(data: Path, work: Path, cfg: dict, cgroup: "Cgroup", 
 
 def predict(data: Path, cfg: dict, dev: dict, memory: int, work: Path) -> dict:
     """`hvctr plan`'s figures for this job on this machine (slurm/hwmaps/vm-2cpu.toml, the rates
-    `hvctr bench --calibrate` wrote to hvctr/plan/rates.toml) with one rate measured here: the
-    shard rows the device gives at the pool's depth (random 208-byte rows/s, pages dropped) as
-    ``disk_rows_per_s``; ``memory``: what the job may use (the cgroup's limit; 0: the machine's)."""
+    `hvctr bench --calibrate` wrote to hvctr/plan/rates.toml) with the shard's rates measured
+    here on the file system of the shards (the pool's random 208-byte rows: read from the device
+    as ``disk_rows_per_s``, from the page cache as ``shard_rows_per_s``, written back behind as
+    ``disk_write_rows_per_s``, into the page cache as ``shard_write_rows_per_s``); ``memory``:
+    what the job may use (the cgroup's limit; 0: the machine's). The job runs two passes, one
+    over fresh keys and one over known keys: both are planned, and ``figures["step_s"]`` is
+    their mean (each pass has as many steps)."""
     import dataclasses
 
     from hvctr.plan.cmd import DEFAULT_RATES
     from hvctr.plan.rates import load_rates, write_rates
 
     rf = load_rates(DEFAULT_RATES)
-    rate = float(dev.get("pool_rows_per_s") or dev["iops_depth32"])
-    measured = dataclasses.replace(rf, entries=tuple(dataclasses.replace(e, disk_rows_per_s=rate) for e in rf.entries))
+    measured = {"disk_rows_per_s": float(dev.get("pool_rows_per_s") or dev["iops_depth32"])}
+    for key, name in (("pool_rows_cached_per_s", "shard_rows_per_s"), ("pool_write_rows_per_s", "disk_write_rows_per_s"),
+                      ("pool_write_rows_cached_per_s", "shard_write_rows_per_s")):
+        if dev.get(key):
+            measured[name] = float(dev[key])
+    rates = dataclasses.replace(rf, entries=tuple(dataclasses.replace(e, **measured) for e in rf.entries))
     path = work / "rates-measured.toml"
-    write_rates(measured, path, [f"bench.scale: {DEFAULT_RATES} with disk_rows_per_s = {rate:,.0f} measured on the "
-                                 f"file system of {work} ({dev['tool']})"])
-    cmd = [sys.executable, "-m", "hvctr", "plan", "--map", str(REPO / "slurm/hwmaps/vm-2cpu.toml"),
-           "--ranks-per-node", "2", "--threads-per-rank", "1", "--data", str(data), "--rates", str(path), "--json",
-           *(["--memory-bytes", str(memory)] if memory else []), *_job_flags(cfg)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=work)
-    if r.returncode != 0:
-        raise SystemExit(f"bench.scale: {' '.join(cmd[:4])} ... failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
-    out = json.loads(r.stdout)
-    out["disk_rows_per_s"] = rate
+    write_rates(rates, path, [f"bench.scale: {DEFAULT_RATES} with " + ", ".join(f"{k} = {v:,.0f}" for k, v in measured.items())
+                              + f" measured on the file system of {work} ({dev['tool']})"])
+    passes = []
+    for pass_rows in ("", "0"):  # the first pass (new keys, from the data), the second (every key known)
+        cmd = [sys.executable, "-m", "hvctr", "plan", "--map", str(REPO / "slurm/hwmaps/vm-2cpu.toml"),
+               "--ranks-per-node", "2", "--threads-per-rank", "1", "--data", str(data), "--rates", str(path), "--json",
+               *(["--pass-rows", pass_rows] if pass_rows else []),
+               *(["--memory-bytes", str(memory)] if memory else []), *_job_flags(cfg)]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=work)
+        if r.returncode != 0:
+            raise SystemExit(f"bench.scale: {' '.join(cmd[:4])} ... failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
+        passes.append(json.loads(r.stdout))
+    out = passes[1]  # the second pass's fits and notes: the SSD-bound one
+    out["passes"] = [p["figures"] for p in passes]
+    f = dict(out["figures"])
+    for key in ("step_s", "shard_read_s_per_step", "shard_write_s_per_step", "compute_s_per_step", "pull_s_per_step",
+                "merge_s_per_step", "prep_s_per_step"):
+        f[key] = sum(p["figures"][key] for p in passes) / 2
+    out["figures"] = f
+    out["disk_rows_per_s"] = measured["disk_rows_per_s"]
+    out["rates"] = measured
     return out
 
 
@@ -567,6 +590,9 @@ def report(res: dict) -> str:
             f"{1e3 * fb['step_s']:,.1f} ms ({err(b, fb)}; {fb['bound_by']}) | |",
             f"| of which the shard's reads, planned (a step) | {1e3 * fa['shard_read_s_per_step']:,.1f} ms | "
             f"{1e3 * fb['shard_read_s_per_step']:,.1f} ms | |",
+            f"| of which the shard's write-back and the push's lookups, planned (a step) | "
+            f"{1e3 * fa['shard_write_s_per_step']:,.1f} ms | {1e3 * fb['shard_write_s_per_step']:,.1f} ms | |",
+            f"| the planner's shard reads from | {fa.get('shard_reads_from', '?')} | {fb.get('shard_reads_from', '?')} | |",
             f"| cache hit rate, planned | {fa['cache_hit_rate']:.3f} | {fb['cache_hit_rate']:.3f} | |",
         ]
     lines += [
@@ -579,6 +605,28 @@ def report(res: dict) -> str:
         + (f"; the planner's step within 25% in the cgroup: {abs(pb['figures']['step_s'] / b['step_s'] - 1) <= 0.25}."
            if pa and pb else "."),
     ]
+    if pb and "passes" in pb:
+        lines += ["", "The shard's traffic of rank 0 over both passes (the run summary's `shard_traffic`), against the "
+                      "planner's counts (`shard_*_per_window` of each pass, times its windows):", "",
+                  "| rank 0, both passes | measured, no limit | measured, in the cgroup | planned |", "|---|---|---|---|"]
+        windows = b["steps"] / cfg["k"] / 2  # a pass's windows
+        planned = {n: windows * sum(p.get(f"shard_{n}_per_window", 0.0) for p in pb["passes"])
+                   for n in ("rows_read", "index_blocks_read", "rows_written", "new_rows_written", "push_index_blocks")}
+
+        def got(r: dict, causes: tuple[str, ...], key: str) -> int:
+            return int(sum(r.get("shard_traffic", {}).get(c, {}).get(key, 0) for c in causes))
+
+        for label, causes, key, plan_key in (
+                ("rows read by the warm and the pull", ("warm", "pull"), "rows_read", ("rows_read",)),
+                ("their index blocks", ("warm", "pull"), "index_blocks_read", ("index_blocks_read",)),
+                ("the push's index blocks", ("push",), "index_blocks_read", ("push_index_blocks",)),
+                ("rows written back (evicted or written through)", (), "rows_written",
+                 ("rows_written", "new_rows_written"))):
+            cell = lambda r: f"{got(r, causes, key):,}" if causes else (f"{r['rows_written']:,}" if "rows_written" in r else "-")
+            lines.append(f"| {label} | {cell(a)} | {cell(b)} | {sum(planned[k] for k in plan_key):,.0f} |")
+        lines.append("| seconds inside those calls: warm and pull / write-back / push | "
+                     + " | ".join(f"{got(r, ('warm', 'pull'), 'seconds'):,} / {got(r, ('writeback',), 'seconds'):,} / "
+                                  f"{got(r, ('push',), 'seconds'):,}" for r in (a, b)) + " | |")
     kd = res.get("killed")
     if kd:
         lines += ["", f"A kill inside a checkpoint (in the cgroup): the job to step {kd['step']:,} with a checkpoint "
@@ -726,6 +774,9 @@ def replan(path: Path, args: argparse.Namespace, argv: list[str] | None) -> int:
     data = work / "data"
     if not (data / "manifest.json").is_file():
         raise SystemExit(f"bench.scale: --replan {path}: its data {data} is gone (the planner reads its manifest)")
+    if not res["device"].get("pool_write_rows_per_s"):  # an earlier benchmark's probe: the write rates too
+        print("bench.scale: --replan: the run's device probe has no write rates; measuring the device now", flush=True)
+        res["device"] = {**device_rate(work, args.fio_seconds), "measured_at_replan": True}
     res["plan_unlimited"] = predict(data, res["config"], res["device"], 0, work)
     res["plan_limited"] = predict(data, res["config"], res["device"], res["config"]["limit"], work)
     _finish(res, args, argv)

@@ -126,6 +126,7 @@ def node_info(hwmap: HardwareMap, ranks_per_node: int, threads: int = 0, ssd_byt
                     host_memory_bytes=memory_bytes or sum(n.memory_gib for n in hwmap.numa) * 2**30,
                     gpus=len(hwmap.gpus),
                     gpu_memory_bytes=gpu_mem, gpu_model=hwmap.gpus[0].model if hwmap.gpus else "", ssd_bytes=ssd, ranks_per_ssd=per_ssd,
+                    memory_limited=bool(memory_bytes),
                     notes=tuple(notes + ([gpu_note] if gpu_note else [])))
 
 
@@ -138,7 +139,8 @@ def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows:
                states=m.states, compression=m.compression, dense_every_steps=m.dense_every_steps,
                sparse_rule=m.sparse_rule,
                cpu_cache_bytes=s.cpu_cache_bytes,
-               max_load_factor=s.max_load_factor, model=cfg.model, pass_rows=pass_rows, prefetch=cfg.data.prefetch)
+               max_load_factor=s.max_load_factor, model=cfg.model, pass_rows=pass_rows, prefetch=cfg.data.prefetch,
+               write_behind=s.write_behind)
 
 
 def _config(args: argparse.Namespace, overrides: list[str]) -> Config:

@@ -36,10 +36,12 @@ carries its ranks' share).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from hvctr.config import BOTTOM_MLP_ARCHS, CROSS_ARCHS, Compression, MergeMode, MergeStates, ModelArch, ModelConfig, SparseRule
+from hvctr.config import (BOTTOM_MLP_ARCHS, CROSS_ARCHS, Compression, MergeMode, MergeStates, ModelArch, ModelConfig,
+                          SparseRule, WriteBehind)
 from hvctr.formats import NUM_BUCKETS, SAMPLE_BYTES
 from hvctr.plan.gpus import GpuRates, gpu_rates
 from hvctr.plan.keyfreq import KeyCurve
@@ -49,6 +51,7 @@ from hvctr.formats import RowLayout
 from hvctr.storage.shard import INDEX_DTYPE, META_DTYPE, memory_bytes, num_slots_for
 
 KEY_BYTES = 8
+INDEX_BLOCKS_PER_ROW_READ = 1.0  # a known key's probe reads its home block (linear probing rarely leaves it)
 FITS, NO_FIT, UNKNOWN, INFO = "fits", "DOES NOT FIT", "unknown", "info"
 # A rank's memory besides the cache, the window buffers and the shard's filter: Python, torch
 # (with torch._dynamo, which torch.optim imports), h5py, Horovod and its 16 MiB fusion buffer
@@ -77,6 +80,7 @@ class Job:
     model: ModelConfig = field(default_factory=ModelConfig)
     pass_rows: int = 0  # rows of a first pass, whose new keys are created as it goes; 0: all keys known
     prefetch: bool = True
+    write_behind: WriteBehind = WriteBehind.AUTO  # storage.write_behind (auto: on where the node's memory is a limit)
 
     @property
     def world_size(self) -> int:
@@ -108,6 +112,7 @@ class NodeInfo:
     gpu_model: str = ""  # the map's name of its GPUs (hvctr.plan.gpus reads the datasheet from it)
     ssd_bytes: float = 0.0  # per rank's SSD directory (its file system)
     ranks_per_ssd: int = 1  # ranks whose shards share one SSD
+    memory_limited: bool = False  # host_memory_bytes is a limit that counts page cache (a cgroup's, Slurm's --mem)
     notes: tuple[str, ...] = ()
 
 
@@ -216,6 +221,59 @@ def sparse_bytes_per_window(u: float, world_size: int, dim: int, mode: MergeMode
     return out
 
 
+def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries: float) -> dict[str, float]:
+    """What one owner's shard does in a window (hvctr.storage.store; the run summary's
+    shard_traffic counts the same by cause), rows and 4 KiB index blocks:
+
+    - rows_read: the window's known rows the cache lacks, read by the warm or the pull;
+    - index_blocks_read: one a row read (a known key's home block; the key filter spares the
+      probes of keys the shard never held, most of a first pass's);
+    - rows_written: rows the cache lets go, one a row it takes in (a full cache), each dirty (the
+      push wrote it): a page read, changed and written at a random place of the shard;
+    - new_rows_written: rows created this window that reach the shard the same way, at
+      positions one after another (coalesced: written at the flush's rate);
+    - push_index_blocks: the push's lookups of rows the pull read but the cache did not keep to
+      the push: the warm holds at most half the cache for the pull, and past that the LFU keeps
+      older, hotter rows in place of the window's fresh ones.
+    """
+    cold = max(u_o - new_o, 0.0) * (1.0 - hit)
+    beyond = max(u_o - cache_entries / 2, 0.0) / u_o if u_o else 0.0
+    return {"rows_read": cold, "index_blocks_read": cold * INDEX_BLOCKS_PER_ROW_READ, "rows_written": cold,
+            "new_rows_written": new_o * (1.0 - hit), "push_index_blocks": cold * beyond * INDEX_BLOCKS_PER_ROW_READ}
+
+
+@dataclass(frozen=True)
+class ShardRates:
+    """Rows (or index blocks) a second one rank gets from its shard: read, written back at
+    random places, and written one after another; ``cpu``: whether they are page-cache rates
+    (CPU work, stretched by oversubscription like other CPU times) or the device's."""
+
+    read: float
+    write: float
+    sequential_write: float
+    cpu: bool
+    where: str  # a person's words for where the reads come from
+
+
+def shard_rates(rates: Rates, in_page_cache: bool, write_behind: bool, ranks_per_ssd: int) -> ShardRates:
+    """The rates of one rank's shard: from the page cache where the node's shards fit in the
+    memory the ranks leave free, else from the device, whose rates (one process alone) the
+    ranks on one SSD share. Written back behind (storage.write_behind on, as under a memory
+    limit), every written page is dropped: the rows come back from the device, and each write
+    first reads its page from there."""
+    share = max(ranks_per_ssd, 1)
+    disk_read = rates.disk_rows_per_s / share
+    disk_write = (rates.disk_write_rows_per_s or rates.disk_rows_per_s / 2) / share
+    seq = rates.flush_rows_per_s or rates.shard_rows_per_s
+    if in_page_cache and not write_behind:
+        return ShardRates(rates.shard_rows_per_s, rates.shard_write_rows_per_s or rates.shard_rows_per_s / 2, seq,
+                          True, "the page cache")
+    if write_behind:
+        return ShardRates(disk_read, disk_write, seq, False,
+                          f"the device ({share} rank(s) a device; written pages flushed and dropped)")
+    return ShardRates(disk_read, disk_read, seq, False, f"the device ({share} rank(s) a device)")
+
+
 # --- time -----------------------------------------------------------------------------
 
 
@@ -276,8 +334,8 @@ def gpu_step_s(job: Job, g: GpuRates, batch_rows: float) -> float:
     return flops / g.flops_per_s + moved / g.bytes_per_s + kernels * g.kernel_s
 
 
-def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float, shard_rate: float,
-                  on_device: bool, threads: int, gpu: GpuRates | None = None) -> dict[str, float]:
+def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float, io: ShardRates,
+                  cache_entries: float, on_device: bool, threads: int, gpu: GpuRates | None = None) -> dict[str, float]:
     """Seconds of each phase of one window on one rank (see the module docstring)."""
     r, W, k, B, D = c.r, job.world_size, job.k, job.batch_size_per_rank, job.dim
     F = job.model.num_fields
@@ -285,8 +343,13 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     f = (W - 1) / W
     u, u_b = curve(k * B), curve(B)
     u_o = curve(W * k * B) / W
-    miss_o = max(u_o - new_o, 0.0) * (1 - hit)  # known keys not in the cache: read from the shard
-    shard_read = c.cpu * miss_o / shard_rate
+    traffic = shard_traffic_per_window(u_o, new_o, hit, cache_entries)
+    stretch = c.cpu if io.cpu else 1.0  # page-cache reads are CPU work; the device's are not
+    # the warm's and the pull's reads of rows the cache lacks, each with its index block
+    shard_read = stretch * (traffic["rows_read"] + traffic["index_blocks_read"]) / io.read
+    # write-back of the rows the cache lets go, the push's index lookups, new rows' writes
+    shard_write = stretch * (traffic["rows_written"] / io.write + traffic["push_index_blocks"] / io.read
+                             + traffic["new_rows_written"] / io.sequential_write)
     warm = (2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES) + c.cpu * u_o / r.cache_rows_per_s + shard_read
             if job.prefetch else 0.0)
     prep = c.cpu * k * B / r.data_rows_per_s + c.unique(2 * k * B * F) + r.allreduce_latency_s + warm
@@ -315,8 +378,10 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
                  + c.cpu * u_o * (1 / r.cache_rows_per_s + 1 / r.sparse_rows_per_s + 1 / r.cache_write_rows_per_s))
     else:
         merge = (dense_merge + 2 * c.unique(u) + c.copy(u * (row + KEY_BYTES))
-                 + c.alltoall(u * f * (row + KEY_BYTES)) + c.cpu * u_o / r.cache_write_rows_per_s + dev)
-    return {"prep": prep, "pull": pull, "compute": compute, "merge": merge, "shard_read": shard_read}
+                 + c.alltoall(u * f * (row + KEY_BYTES)) + c.cpu * u_o / r.cache_write_rows_per_s + dev
+                 + shard_write)
+    return {"prep": prep, "pull": pull, "compute": compute, "merge": merge, "shard_read": shard_read,
+            "shard_write": shard_write, "shard_traffic": traffic}
 
 
 # --- the plan -------------------------------------------------------------------------
@@ -364,7 +429,8 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         host_rank += u_o * layout.row_bytes
     free = node.host_memory_bytes - job.ranks_per_node * host_rank
     shard_in_ram = node.host_memory_bytes > 0 and free >= job.ranks_per_node * shard["total"]
-    shard_rate = rates.shard_rows_per_s if shard_in_ram else rates.disk_rows_per_s
+    behind = job.write_behind is WriteBehind.ON or (job.write_behind is WriteBehind.AUTO and node.memory_limited)
+    io = shard_rates(rates, shard_in_ram, behind, node.ranks_per_ssd)
     cpu = _stretch(job, node, rates)
     gpu = (gpu_rates(node.gpu_model, rates.gpu_flops_per_s, rates.gpu_bytes_per_s, rates.gpu_kernel_s)
            if on_device else None)
@@ -372,8 +438,9 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         notes.append(f"GPU compute: {gpu.source}" if gpu else
                      f"GPU compute: the GPU {node.gpu_model!r} is not one hvctr.plan.gpus knows and the rates file "
                      "has no gpu_flops_per_s: the step's compute comes from the rates file's compute figures")
-    t = _window_times(job, _Costs(rates, cpu, job.nodes, job.ranks_per_node), curve, hit, new_o, shard_rate,
-                      on_device, node.threads_per_rank, gpu)
+    costs = _Costs(rates, cpu, job.nodes, job.ranks_per_node)
+    t = _window_times(job, costs, curve, hit, new_o, io, cache_entries, on_device, node.threads_per_rank, gpu)
+    traffic = t.pop("shard_traffic")
     spare_core = node.cpus / job.ranks_per_node >= node.threads_per_rank + 1
     main = t["pull"] + t["compute"] + t["merge"]
     overlapped = job.prefetch and spare_core
@@ -405,15 +472,67 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         "dense_wire_bytes_per_step": payload / k * 2 * (W - 1) / W,
         "sparse_bytes_per_step": sum(sparse.values()) / k,
         **{f"{name}_s_per_step": v / k for name, v in t.items()},
+        **{f"shard_{name}_per_window": v for name, v in traffic.items()},
+        "shard_reads_from": io.where, "shard_write_behind": behind,
         "step_s": window / k, "bound_by": max(phases, key=phases.get),
         # time of the main thread's step that is not compute: nothing of the window's end overlaps today
         "exposed_non_compute_s_per_step": (window - t["compute"]) / k,
         "compute_source": gpu.source if gpu else ("the rates file (GPU unknown)" if on_device else "the rates file"),
         "samples_per_s_per_rank": B * k / window, "samples_per_s": W * B * k / window,
     }
+    if not io.cpu:
+        note = _storage_bound_note(job, node, rates, curve, costs, t, io, new_o, shard_in_ram, behind, gpu,
+                                   keys_per_rank)
+        if note:
+            notes.append(note)
     p = Plan(job, node, rates, curve, figures, [], notes)
     p.fits = _fits(p, shard_in_ram)
     return p
+
+
+def _storage_bound_note(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve, costs: "_Costs",
+                        t: dict[str, float], io: ShardRates, new_o: float, in_ram: bool, behind: bool,
+                        gpu: GpuRates | None, keys_per_rank: float) -> str:
+    """Where the SSD's reads and writes outlast the step's compute: what would make the step
+    compute-bound: a cache per rank (the smallest power of two that does it), fewer ranks per
+    SSD (SSDs per node), with each one's step."""
+    shard = t["shard_read"] + t["shard_write"]
+    if shard <= t["compute"]:
+        return ""
+    k, W, B = job.k, job.world_size, job.batch_size_per_rank
+    on_device = node.gpus > 0
+
+    def window(j: Job, r: ShardRates, hit: float, entries: float) -> tuple[float, float]:
+        w = _window_times(j, costs, curve, hit, new_o, r, entries, on_device, node.threads_per_rank, gpu)
+        main = w["pull"] + w["compute"] + w["merge"]
+        return main + (0.0 if j.prefetch and node.cpus / j.ranks_per_node >= node.threads_per_rank + 1
+                       else w["prep"]), w["shard_read"] + w["shard_write"]
+
+    ms = lambda sec: f"{1e3 * sec / k:,.1f} ms"
+    parts = [f"the SSD bounds the step: its reads and writes take {ms(shard)} a step against {ms(t['compute'])} "
+             f"of compute ({io.where})"]
+    layout = RowLayout(job.dim)
+    cache = job.cpu_cache_bytes
+    while cache < 2 ** 50:
+        cache *= 2
+        entries = entries_for_budget(layout.width, cache)
+        hit = 1.0 if entries >= keys_per_rank else curve.hit_rate(W * k * B, entries * W)
+        step, sh = window(dataclasses.replace(job, cpu_cache_bytes=cache), io, hit, entries)
+        if sh <= t["compute"] or entries >= keys_per_rank:
+            parts.append(f"a cache of {cache / 2**30:,.2f} GiB a rank (storage.cpu_cache_bytes, hit rate {hit:.3f}) "
+                         f"would make it {ms(step)}")
+            break
+    per_ssd = node.ranks_per_ssd
+    entries = entries_for_budget(layout.width, job.cpu_cache_bytes)
+    hit = 1.0 if entries >= keys_per_rank else curve.hit_rate(W * k * B, entries * W)
+    if per_ssd > 1:  # the same job with an SSD of its own for every rank
+        step, sh = window(job, shard_rates(rates, in_ram, behind, 1), hit, entries)
+        parts.append(f"one SSD a rank ({job.ranks_per_node} a node, not {max(job.ranks_per_node // per_ssd, 1)}) "
+                     f"would make it {ms(step)}" + (" (still bound by the SSD)" if sh > t["compute"] else ""))
+    # a rank's device time scales with 1 / the device's rate: the rate that would match the compute
+    parts.append(f"an SSD {shard / max(t['compute'], 1e-12):,.1f}x as fast (random reads at "
+                 f"depth: disk_rows_per_s {rates.disk_rows_per_s:,.0f} here) would make the compute bound it")
+    return "; ".join(parts)
 
 
 def _check_job(job: Job) -> None:

@@ -39,7 +39,7 @@ DOC = {
     "cache_write_rows_per_s": "store writes into the CPU cache, rows/s",
     "new_rows_per_s": "rows created: init from the key, shard index insert, cache insert, rows/s",
     "shard_rows_per_s": "shard rows read with the file in the page cache, rows/s",
-    "disk_rows_per_s": "shard rows read from the device (page cache dropped), rows/s",
+    "disk_rows_per_s": "shard rows read from the device (page cache dropped), rows/s: the device's, one process alone (ranks on one SSD share it)",
     "data_rows_per_s": "training data rows read from HDF5 data shards, rows/s",
     "alltoall_latency_s": "one alltoall of a few bytes",
     "allreduce_latency_s": "one grouped allreduce of a few bytes",
@@ -48,6 +48,8 @@ DOC = {
     "nic_bytes_per_s": "across nodes, bytes/s per node; 0: not measured (one node)",
     "device_bytes_per_s": "host <-> accelerator copies, bytes/s; 0: no accelerator (the working set stays on the host)",
     "flush_rows_per_s": "dirty cached rows written back to the shard (end of pass, checkpoint), rows/s; 0: unknown",
+    "shard_write_rows_per_s": "rows written back to random places of the shard, its pages in the page cache (storage.write_behind off), rows/s; 0: half shard_rows_per_s",
+    "disk_write_rows_per_s": "rows written back to random places of the shard as under a memory limit (each page read from the device, written, flushed, dropped), rows/s, the device's; 0: half disk_rows_per_s",
     "gpu_flops_per_s": "GPU nodes: the dense model's forward + backward on the GPU, FLOP/s; 0: the map's GPU datasheet, derated (hvctr.plan.gpus)",
     "gpu_bytes_per_s": "GPU nodes: memory-bound kernels (gather, gradient sums, Adam), bytes/s; 0: the datasheet's HBM bandwidth, derated",
     "gpu_kernel_s": "GPU nodes: one kernel's launch and dispatch, seconds; 0: assumed (hvctr.plan.gpus.KERNEL_S)",
@@ -76,6 +78,8 @@ class Rates:
     nic_bytes_per_s: float = 0.0
     device_bytes_per_s: float = 0.0
     flush_rows_per_s: float = 0.0
+    shard_write_rows_per_s: float = 0.0
+    disk_write_rows_per_s: float = 0.0
     gpu_flops_per_s: float = 0.0
     gpu_bytes_per_s: float = 0.0
     gpu_kernel_s: float = 0.0

@@ -328,7 +328,10 @@ def test_a_scaling_owner_rule_keeps_the_owners_pulled_rows_to_the_push():
 
 def test_a_memory_limit_below_the_table_makes_shard_reads_come_from_the_device():
     """`hvctr plan --memory-bytes` (a cgroup's or Slurm's limit, page cache counted): a table
-    that no longer fits in what the job may use is read at disk_rows_per_s, not from the page cache."""
+    that no longer fits in what the job may use is read at disk_rows_per_s, which the map's two
+    ranks on one SSD share, not from the page cache; under the limit the shard's writes are
+    flushed and dropped (storage.write_behind = auto), so each written row's page is read from
+    the device first."""
     from hvctr.plan.cmd import node_info
     from hvctr.topo.hwmap import load_map
 
@@ -338,6 +341,14 @@ def test_a_memory_limit_below_the_table_makes_shard_reads_come_from_the_device()
     curve = zipf_curve(4 * 10**7, 1.1, 26)
     job = _job(keys=4 * 10**7, ranks_per_node=2, cpu_cache_bytes=32 << 20)
     a, b = plan(job, roomy, RATES, curve), plan(job, tight, RATES, curve)
-    ratio = RATES.shard_rows_per_s / RATES.disk_rows_per_s
+    assert (roomy.ranks_per_ssd, roomy.memory_limited, tight.memory_limited) == (2, False, True)
+    ratio = RATES.shard_rows_per_s / (RATES.disk_rows_per_s / 2)
     assert b.figures["shard_read_s_per_step"] == pytest.approx(ratio * a.figures["shard_read_s_per_step"])
+    assert (a.figures["shard_write_behind"], b.figures["shard_write_behind"]) == (False, True)
+    assert "page cache" in a.figures["shard_reads_from"] and "device" in b.figures["shard_reads_from"]
+    t = b.figures
+    want = (t["shard_rows_written_per_window"] / (RATES.disk_rows_per_s / 2 / 2)
+            + t["shard_push_index_blocks_per_window"] / (RATES.disk_rows_per_s / 2)
+            + t["shard_new_rows_written_per_window"] / (RATES.flush_rows_per_s or RATES.shard_rows_per_s))
+    assert t["shard_write_s_per_step"] == pytest.approx(want / job.every_k_steps)
     assert "SSD" in dict((w, why) for w, _, why in b.fits)["page cache"]
