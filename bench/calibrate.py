@@ -199,13 +199,23 @@ def store_rates(work: str, batches: int) -> dict[str, float]:
         timed("write", lambda: store.write(k, rows))
     timed("flush", store.flush)  # every row is dirty: created, then written
     store.cache.clear()
-    for k in keys:  # rows on the shard, the file's pages in the page cache
-        timed("shard", lambda: store.warm(k))
+    everything = np.concatenate(keys)
+    rng = np.random.default_rng(3)
+    shard = store.shard
+    shard.write_behind = False  # the page cache's rates (no memory limit: storage.write_behind auto)
+    for _ in keys:  # rows at random places of the shard (one page each, as a big table's), in the page cache
+        pick = everything[rng.choice(everything.size, n, replace=False)]
+        timed("shard", lambda: store.warm(pick))
+        store.cache.clear()
+        pos = shard.lookup(pick)
+        order = np.argsort(pos)
+        timed("shard_write", lambda: shard.write_rows(pos[order], pick[order], rows))
     store.close()
     os.unlink(path)
     rate = {name: n / min(v) for name, v in t.items()}
     return {"new_rows_per_s": rate["new"], "cache_rows_per_s": rate["hit"], "cache_write_rows_per_s": rate["write"],
-            "shard_rows_per_s": rate["shard"], "flush_rows_per_s": batches * n / t["flush"][0]}
+            "shard_rows_per_s": rate["shard"], "shard_write_rows_per_s": rate["shard_write"],
+            "flush_rows_per_s": batches * n / t["flush"][0]}
 
 
 def disk_rate(work: str, shard_rows: int, reads: int, repeats: int) -> dict[str, float]:
@@ -238,8 +248,19 @@ def disk_rate(work: str, shard_rows: int, reads: int, repeats: int) -> dict[str,
         store.warm(pick)
         times.append(time.perf_counter() - t0)
         store.close()
+    # write-back as under a memory limit: rows at random places, each page read from the device,
+    # written, flushed and dropped (storage.write_behind on)
+    writes = []
+    for _ in range(repeats):
+        _drop_page_cache(path)
+        shard = Shard.open(path, write_behind=True)
+        pos = np.sort(rng.choice(shard_rows, size=reads, replace=False)).astype(np.int64)
+        t0 = time.perf_counter()
+        shard.write_rows(pos, keys[pos], zeros[:1].repeat(reads, axis=0))
+        writes.append(time.perf_counter() - t0)
+        shard.close()
     os.unlink(path)
-    return {"disk_rows_per_s": reads / min(times)}
+    return {"disk_rows_per_s": reads / min(times), "disk_write_rows_per_s": reads / min(writes)}
 
 
 def data_rate(work: str, reps: int) -> dict[str, float]:
