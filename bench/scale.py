@@ -293,7 +293,8 @@ def _drop_cache(paths: list[Path]) -> None:
 def _job_flags(cfg: dict) -> list[str]:
     """The job's settings, as `hvctr train` and `hvctr plan` both take them."""
     return [f"--storage.cpu_cache_bytes={cfg['cache_bytes']}", "--storage.dim=16", "--model.hidden=[512,256]",
-            f"--data.batch_size_per_rank={cfg['batch']}", f"--merge.every_k_steps={cfg['k']}"]
+            f"--data.batch_size_per_rank={cfg['batch']}", f"--merge.every_k_steps={cfg['k']}",
+            f"--storage.write_behind={cfg.get('write_behind', 'on')}"]
 
 
 def _train_cmd(data: Path, run: Path, cfg: dict, extra: list[str]) -> list[str]:
@@ -542,6 +543,7 @@ def report(res: dict) -> str:
     lines = [
         f"Data: {cfg['rows']:,} rows of `data_prep synth --unique-fields {cfg['unique_fields']}` ({res['keys']:,} "
         f"distinct keys), 2 ranks, 2 passes, batch {cfg['batch']} a rank, k = {cfg['k']}, DNN 26 x 16 -> 512-256-1, "
+        f"storage.write_behind = {cfg.get('write_behind', 'on')} in both runs, "
         f"storage.cpu_cache_bytes = {cfg['cache_bytes']:,} a rank, storage.rows_per_rank = {cfg['rows_per_rank']:,}; "
         f"shards {gb(b['shard_bytes'])} on disk; memory limit {cfg['limit'] / 2**30:,.2f} GiB "
         f"({cfg['kind']}, page cache counted): the table is {b['shard_bytes'] / cfg['limit']:.1f}x the limit.",
@@ -657,6 +659,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-mib", type=int, default=128, help="storage.cpu_cache_bytes a rank, MiB (default 128)")
     p.add_argument("--batch", type=int, default=4096, help="data.batch_size_per_rank (default 4096)")
     p.add_argument("--k", type=int, default=8, help="merge.every_k_steps (default 8): a smaller window holds less")
+    p.add_argument("--write-behind", choices=("on", "auto"), default="on",
+                   help="storage.write_behind of both runs: on (default: both flush and drop their writes, so that "
+                        "they differ by the limit alone) or auto (each as a user's job would: the unlimited run leaves "
+                        "its writes in the page cache)")
     p.add_argument("--work", default="", help="work directory (default: a new one under /var/tmp)")
     p.add_argument("--fio-seconds", type=int, default=15)
     p.add_argument("--device-only", action="store_true", help="measure the device and the pool, then stop")
@@ -701,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     train_rows = sum(s["rows"] for s in manifest["shards"]["train"])
     cfg = {"rows": rows, "unique_fields": args.unique_fields, "cache_bytes": args.cache_mib << 20,
            "rows_per_rank": rows_per_rank, "limit": limit, "kind": kind, "row_bytes": row_bytes,
-           "batch": args.batch, "k": args.k, "steps_per_pass": train_rows // 2 // args.batch}
+           "batch": args.batch, "k": args.k, "steps_per_pass": train_rows // 2 // args.batch,
+           "write_behind": args.write_behind}
     res = {"config": cfg, "device": dev, "keys": int(manifest["totals"].get("distinct_keys_estimate_total", keys_est))}
     if args.limited_only:
         group = Cgroup(kind, limit, "limited")

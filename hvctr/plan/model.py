@@ -244,15 +244,17 @@ def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries
 
 @dataclass(frozen=True)
 class ShardRates:
-    """Rows (or index blocks) a second one rank gets from its shard: read, written back at
-    random places, and written one after another; ``cpu``: whether they are page-cache rates
-    (CPU work, stretched by oversubscription like other CPU times) or the device's."""
+    """Rows (or index blocks) a second one rank gets from its shard: rows read, index blocks
+    read, rows written back at random places, rows written one after another; ``cpu``: whether
+    the row reads are page-cache rates (CPU work, stretched by oversubscription like other CPU
+    times) or the device's."""
 
     read: float
+    index: float
     write: float
     sequential_write: float
     cpu: bool
-    where: str  # a person's words for where the reads come from
+    where: str  # a person's words for where the row reads come from
 
 
 def shard_rates(rates: Rates, in_page_cache: bool, write_behind: bool, ranks_per_ssd: int) -> ShardRates:
@@ -260,18 +262,20 @@ def shard_rates(rates: Rates, in_page_cache: bool, write_behind: bool, ranks_per
     memory the ranks leave free, else from the device, whose rates (one process alone) the
     ranks on one SSD share. Written back behind (storage.write_behind on, as under a memory
     limit), every written page is dropped: the rows come back from the device, and each write
-    first reads its page from there."""
+    first reads its page from there; the index, whose pages a later pass does not write, stays
+    in the page cache where it fits."""
     share = max(ranks_per_ssd, 1)
     disk_read = rates.disk_rows_per_s / share
     disk_write = (rates.disk_write_rows_per_s or rates.disk_rows_per_s / 2) / share
     seq = rates.flush_rows_per_s or rates.shard_rows_per_s
+    index = rates.shard_rows_per_s if in_page_cache else disk_read
     if in_page_cache and not write_behind:
-        return ShardRates(rates.shard_rows_per_s, rates.shard_write_rows_per_s or rates.shard_rows_per_s / 2, seq,
-                          True, "the page cache")
+        return ShardRates(rates.shard_rows_per_s, index, rates.shard_write_rows_per_s or rates.shard_rows_per_s / 2,
+                          seq, True, "the page cache")
     if write_behind:
-        return ShardRates(disk_read, disk_write, seq, False,
+        return ShardRates(disk_read, index, disk_write, seq, False,
                           f"the device ({share} rank(s) a device; written pages flushed and dropped)")
-    return ShardRates(disk_read, disk_read, seq, False, f"the device ({share} rank(s) a device)")
+    return ShardRates(disk_read, index, disk_read, seq, False, f"the device ({share} rank(s) a device)")
 
 
 # --- time -----------------------------------------------------------------------------
@@ -346,9 +350,9 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     traffic = shard_traffic_per_window(u_o, new_o, hit, cache_entries)
     stretch = c.cpu if io.cpu else 1.0  # page-cache reads are CPU work; the device's are not
     # the warm's and the pull's reads of rows the cache lacks, each with its index block
-    shard_read = stretch * (traffic["rows_read"] + traffic["index_blocks_read"]) / io.read
+    shard_read = stretch * (traffic["rows_read"] / io.read + traffic["index_blocks_read"] / io.index)
     # write-back of the rows the cache lets go, the push's index lookups, new rows' writes
-    shard_write = stretch * (traffic["rows_written"] / io.write + traffic["push_index_blocks"] / io.read
+    shard_write = stretch * (traffic["rows_written"] / io.write + traffic["push_index_blocks"] / io.index
                              + traffic["new_rows_written"] / io.sequential_write)
     warm = (2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES) + c.cpu * u_o / r.cache_rows_per_s + shard_read
             if job.prefetch else 0.0)
