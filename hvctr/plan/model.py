@@ -379,7 +379,8 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     if job.mode is MergeMode.SYNC:
         grad_bytes = KEY_BYTES + 4 * RowLayout(D).model_width
         merge = (dense_merge + 2 * c.unique(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
-                 + c.cpu * u_o * (1 / r.cache_rows_per_s + 1 / r.sparse_rows_per_s + 1 / r.cache_write_rows_per_s))
+                 + c.cpu * u_o * (1 / r.cache_rows_per_s + 1 / r.sparse_rows_per_s + 1 / r.cache_write_rows_per_s)
+                 + shard_write)
     else:
         merge = (dense_merge + 2 * c.unique(u) + c.copy(u * (row + KEY_BYTES))
                  + c.alltoall(u * f * (row + KEY_BYTES)) + c.cpu * u_o / r.cache_write_rows_per_s + dev
