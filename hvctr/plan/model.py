@@ -48,7 +48,7 @@ from hvctr.plan.keyfreq import KeyCurve
 from hvctr.plan.rates import Rates
 from hvctr.storage.cache import entries_for_budget
 from hvctr.formats import RowLayout
-from hvctr.storage.shard import INDEX_DTYPE, META_DTYPE, memory_bytes, num_slots_for
+from hvctr.storage.shard import INDEX_DTYPE, META_DTYPE, PENDING_PER_BLOCK, memory_bytes, num_slots_for
 
 KEY_BYTES = 8
 INDEX_BLOCKS_PER_ROW_READ = 1.0  # a known key's probe reads its home block (linear probing rarely leaves it)
@@ -234,12 +234,16 @@ def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries
       positions one after another (coalesced: written at the flush's rate);
     - push_index_blocks: the push's lookups of rows the pull read but the cache did not keep to
       the push: the warm holds at most half the cache for the pull, and past that the LFU keeps
-      older, hotter rows in place of the window's fresh ones.
+      older, hotter rows in place of the window's fresh ones;
+    - index_blocks_written: new rows' index entries, which wait in memory until a block has
+      about PENDING_PER_BLOCK of them, then go to the file a block at a time (read, changed,
+      written).
     """
     cold = max(u_o - new_o, 0.0) * (1.0 - hit)
     beyond = max(u_o - cache_entries / 2, 0.0) / u_o if u_o else 0.0
     return {"rows_read": cold, "index_blocks_read": cold * INDEX_BLOCKS_PER_ROW_READ, "rows_written": cold,
-            "new_rows_written": new_o * (1.0 - hit), "push_index_blocks": cold * beyond * INDEX_BLOCKS_PER_ROW_READ}
+            "new_rows_written": new_o * (1.0 - hit), "push_index_blocks": cold * beyond * INDEX_BLOCKS_PER_ROW_READ,
+            "index_blocks_written": new_o / PENDING_PER_BLOCK}
 
 
 @dataclass(frozen=True)
@@ -351,9 +355,10 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     stretch = c.cpu if io.cpu else 1.0  # page-cache reads are CPU work; the device's are not
     # the warm's and the pull's reads of rows the cache lacks, each with its index block
     shard_read = stretch * (traffic["rows_read"] / io.read + traffic["index_blocks_read"] / io.index)
-    # write-back of the rows the cache lets go, the push's index lookups, new rows' writes
-    shard_write = stretch * (traffic["rows_written"] / io.write + traffic["push_index_blocks"] / io.index
-                             + traffic["new_rows_written"] / io.sequential_write)
+    # write-back of the rows the cache lets go, the push's index lookups, new rows' writes and
+    # their index entries (a block read and written, as a row's page is)
+    shard_write = stretch * ((traffic["rows_written"] + traffic["index_blocks_written"]) / io.write
+                             + traffic["push_index_blocks"] / io.index + traffic["new_rows_written"] / io.sequential_write)
     warm = (2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES) + c.cpu * u_o / r.cache_rows_per_s + shard_read
             if job.prefetch else 0.0)
     prep = c.cpu * k * B / r.data_rows_per_s + c.unique(2 * k * B * F) + r.allreduce_latency_s + warm

@@ -78,7 +78,7 @@ SHARD_IO = ("pread", "mmap")
 _INDEX_CHUNK = 4096  # keys probed per round of index block reads (at most 16 MiB of blocks in memory)
 # New index entries wait in memory until there are about 8 per index block (1.5 bytes a slot of
 # the index: 61 MiB for a shard of 33M rows), at most 2M (96 MiB), then go to the file together.
-_PENDING_PER_BLOCK = 8
+PENDING_PER_BLOCK = 8
 _PENDING_MAX = 1 << 21
 # What ``Shard.by_cause`` counts for each cause of shard traffic: rows read (read_rows,
 # read_range), index blocks read, and the pool's system calls and bytes. A write of rows that
@@ -125,8 +125,8 @@ def num_slots_for(capacity: int, max_load_factor: float) -> int:
 
 
 def pending_capacity(capacity: int, num_slots: int) -> int:
-    """New index entries a pread-path shard keeps in memory before writing them (see _PENDING_PER_BLOCK)."""
-    return min(capacity, _PENDING_MAX, max(num_slots // SLOTS_PER_BLOCK * _PENDING_PER_BLOCK, 4096))
+    """New index entries a pread-path shard keeps in memory before writing them (see PENDING_PER_BLOCK)."""
+    return min(capacity, _PENDING_MAX, max(num_slots // SLOTS_PER_BLOCK * PENDING_PER_BLOCK, 4096))
 
 
 def memory_bytes(capacity: int, max_load_factor: float) -> int:
