@@ -152,7 +152,7 @@ class Cgroup:
 
 
 def _pool_rate(path: Path, size: int, seconds: int, threads: int, item: int, write: bool = False,
-               cached: bool = False) -> int:
+               cached: bool = False, behind: bool = False) -> int:
     """Items of ``item`` bytes at random sorted positions of ``path`` read (``write``: written,
     as the store's write-back does: each page read, changed, written, then flushed and dropped)
     per second by hvctr's pool (storage.io_threads = ``threads``), in batches of 20k as a
@@ -168,13 +168,13 @@ def _pool_rate(path: Path, size: int, seconds: int, threads: int, item: int, wri
             with open(path, "rb", buffering=0) as f:
                 while f.read(1 << 24):
                     pass
-        rng = np.random.default_rng(threads + 2 * write + cached)
+        rng = np.random.default_rng(threads + 2 * write + cached + 4 * behind)
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             pos = np.unique(rng.integers(0, size // item, 20000 if threads > 1 else 2000))
             buf = np.zeros(pos.size * item, dtype=np.uint8)
-            if write:  # flushed and dropped behind where the pages were dropped (as under a limit)
-                diskio.write(fd, str(path), 0, item, pos, buf, threads, not cached)
+            if write:  # behind: flushed and dropped after (storage.write_behind on)
+                diskio.write(fd, str(path), 0, item, pos, buf, threads, behind)
             else:
                 diskio.read(fd, str(path), 0, item, pos, buf, threads)
             n += pos.size
@@ -232,12 +232,13 @@ def device_rate(work: Path, seconds: int) -> dict:
 def _pool_row_rates(path: Path, size: int, seconds: int) -> dict:
     """The pool's rates for 208-byte rows (D = 16) at random places of the probe file, the things
     a window's shard traffic is made of (``predict`` gives them to the planner): read from the
-    device and from the page cache; written back as under a memory limit (the page read from the
-    device, written, flushed, dropped: storage.write_behind on) and as without one (the page in
-    the page cache, written there)."""
+    device and from the page cache; written back as under a memory limit (storage.write_behind
+    on: each page flushed to the device and dropped; its read before the write is a page-cache
+    hit, as a written-back row's is: the pull read it in the same window or the one before) and
+    as without one (written into the page cache, left to the kernel)."""
     return {"pool_rows_per_s": _pool_rate(path, size, seconds, 32, 208),
             "pool_rows_cached_per_s": _pool_rate(path, size, seconds, 32, 208, cached=True),
-            "pool_write_rows_per_s": _pool_rate(path, size, seconds, 32, 208, write=True),
+            "pool_write_rows_per_s": _pool_rate(path, size, seconds, 32, 208, write=True, cached=True, behind=True),
             "pool_write_rows_cached_per_s": _pool_rate(path, size, seconds, 32, 208, write=True, cached=True)}
 
 
@@ -673,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replan", default="",
                    help="no runs: read an earlier run's JSON (--out), plan both jobs again with today's planner "
                         "and print the report (its data directory must still be there)")
+    p.add_argument("--reprobe", action="store_true", help="with --replan: measure the device again first")
     p.add_argument("--out", default="", help="also write the results as JSON here")
     p.add_argument("--write", default="", help="put the report into this Markdown file (BENCHMARKS.md)")
     args = p.parse_args(argv)
@@ -781,7 +783,7 @@ def replan(path: Path, args: argparse.Namespace, argv: list[str] | None) -> int:
     data = work / "data"
     if not (data / "manifest.json").is_file():
         raise SystemExit(f"bench.scale: --replan {path}: its data {data} is gone (the planner reads its manifest)")
-    if not res["device"].get("pool_write_rows_per_s"):  # an earlier benchmark's probe: the write rates too
+    if not res["device"].get("pool_write_rows_per_s") or args.reprobe:  # an earlier probe: the write rates too
         print("bench.scale: --replan: the run's device probe has no write rates; measuring the device now", flush=True)
         res["device"] = {**device_rate(work, args.fio_seconds), "measured_at_replan": True}
     res["plan_unlimited"] = predict(data, res["config"], res["device"], 0, work)

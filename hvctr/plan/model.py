@@ -265,9 +265,10 @@ def shard_rates(rates: Rates, in_page_cache: bool, write_behind: bool, ranks_per
     """The rates of one rank's shard: from the page cache where the node's shards fit in the
     memory the ranks leave free, else from the device, whose rates (one process alone) the
     ranks on one SSD share. Written back behind (storage.write_behind on, as under a memory
-    limit), every written page is dropped: the rows come back from the device, and each write
-    first reads its page from there; the index, whose pages a later pass does not write, stays
-    in the page cache where it fits."""
+    limit), every written page is flushed to the device and dropped: the rows come back from the
+    device (the write's read of its page is mostly a page-cache hit: the pull read the row in the
+    same window or the one before); the index, whose pages a later pass does not write, stays in
+    the page cache where it fits."""
     share = max(ranks_per_ssd, 1)
     disk_read = rates.disk_rows_per_s / share
     disk_write = (rates.disk_write_rows_per_s or rates.disk_rows_per_s / 2) / share

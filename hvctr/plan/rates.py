@@ -49,7 +49,7 @@ DOC = {
     "device_bytes_per_s": "host <-> accelerator copies, bytes/s; 0: no accelerator (the working set stays on the host)",
     "flush_rows_per_s": "dirty cached rows written back to the shard (end of pass, checkpoint), rows/s; 0: unknown",
     "shard_write_rows_per_s": "rows written back to random places of the shard, its pages in the page cache (storage.write_behind off), rows/s; 0: half shard_rows_per_s",
-    "disk_write_rows_per_s": "rows written back to random places of the shard as under a memory limit (each page read from the device, written, flushed, dropped), rows/s, the device's; 0: half disk_rows_per_s",
+    "disk_write_rows_per_s": "rows written back to random places of the shard as under a memory limit (each page written, flushed to the device, dropped), rows/s, the device's; 0: half disk_rows_per_s",
     "gpu_flops_per_s": "GPU nodes: the dense model's forward + backward on the GPU, FLOP/s; 0: the map's GPU datasheet, derated (hvctr.plan.gpus)",
     "gpu_bytes_per_s": "GPU nodes: memory-bound kernels (gather, gradient sums, Adam), bytes/s; 0: the datasheet's HBM bandwidth, derated",
     "gpu_kernel_s": "GPU nodes: one kernel's launch and dispatch, seconds; 0: assumed (hvctr.plan.gpus.KERNEL_S)",
