@@ -423,10 +423,8 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     shard = shard_bytes(capacity, D, job.max_load_factor)
     cache_entries = entries_for_budget(layout.width, job.cpu_cache_bytes)
     keys_per_rank = table_keys / W
-    if cache_entries >= keys_per_rank:
-        hit = 1.0
-    else:
-        hit = curve.hit_rate(W * k * B, cache_entries * W)
+    hit = _hit_rate(job, curve, cache_entries, keys_per_rank)
+    if hit < 1.0:
         notes.append(f"cache holds {cache_entries / keys_per_rank:.1%} of a rank's rows: hit rate "
                      f"{hit:.3f} for an ideal frequency cache (LFU with aging comes close on power-law keys)")
     u, u_b, u_o = curve(k * B), curve(B), curve(W * k * B) / W
@@ -455,7 +453,7 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     spare_core = node.cpus / job.ranks_per_node >= node.threads_per_rank + 1
     main = t["pull"] + t["compute"] + t["merge"]
     overlapped = job.prefetch and spare_core
-    window = max(main, t["prep"]) if overlapped else main + t["prep"]
+    window = _window_s(t, overlapped)
     # What to make faster: the prefetch thread when it outlasts the main thread, else the
     # largest phase of the main thread (all four when nothing overlaps).
     phases = {"compute": t["compute"], "pull": t["pull"], "merge": t["merge"]}
@@ -493,7 +491,7 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     }
     if not io.cpu:
         note = _storage_bound_note(job, node, rates, curve, costs, t, io, new_o, shard_in_ram, behind, gpu,
-                                   keys_per_rank)
+                                   keys_per_rank, hit, cache_entries, overlapped)
         if note:
             notes.append(note)
     p = Plan(job, node, rates, curve, figures, [], notes)
@@ -501,43 +499,55 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     return p
 
 
+def _hit_rate(job: Job, curve: KeyCurve, cache_entries: float, keys_per_rank: float) -> float:
+    """An owner's cache hit rate: an ideal frequency cache of ``cache_entries`` rows a rank."""
+    if cache_entries >= keys_per_rank:
+        return 1.0
+    W = job.world_size
+    return curve.hit_rate(W * job.k * job.batch_size_per_rank, cache_entries * W)
+
+
+def _window_s(t: dict[str, float], overlapped: bool) -> float:
+    """A window's seconds: the main thread's phases, and the prefetch thread's beside them where
+    it has a core of its own (else after them)."""
+    main = t["pull"] + t["compute"] + t["merge"]
+    return max(main, t["prep"]) if overlapped else main + t["prep"]
+
+
 def _storage_bound_note(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve, costs: "_Costs",
                         t: dict[str, float], io: ShardRates, new_o: float, in_ram: bool, behind: bool,
-                        gpu: GpuRates | None, keys_per_rank: float) -> str:
-    """Where the SSD's reads and writes outlast the step's compute: what would make the step
-    compute-bound: a cache per rank (the smallest power of two that does it), fewer ranks per
-    SSD (SSDs per node), with each one's step."""
+                        gpu: GpuRates | None, keys_per_rank: float, hit: float, cache_entries: float,
+                        overlapped: bool) -> str:
+    """Where the SSD's reads and writes outlast the step's compute, what would make the step
+    compute-bound, each with the step it would give: a larger cache per rank (the job's doubled
+    until it does, or holds the rank's whole table), an SSD of its own for every rank, or a
+    faster device."""
     shard = t["shard_read"] + t["shard_write"]
     if shard <= t["compute"]:
         return ""
-    k, W, B = job.k, job.world_size, job.batch_size_per_rank
-    on_device = node.gpus > 0
+    k = job.k
 
-    def window(j: Job, r: ShardRates, hit: float, entries: float) -> tuple[float, float]:
-        w = _window_times(j, costs, curve, hit, new_o, r, entries, on_device, node.threads_per_rank, gpu)
-        main = w["pull"] + w["compute"] + w["merge"]
-        return main + (0.0 if j.prefetch and node.cpus / j.ranks_per_node >= node.threads_per_rank + 1
-                       else w["prep"]), w["shard_read"] + w["shard_write"]
+    def window(j: Job, r: ShardRates, h: float, entries: float) -> tuple[float, float]:
+        w = _window_times(j, costs, curve, h, new_o, r, entries, node.gpus > 0, node.threads_per_rank, gpu)
+        return _window_s(w, overlapped), w["shard_read"] + w["shard_write"]
 
     ms = lambda sec: f"{1e3 * sec / k:,.1f} ms"
     parts = [f"the SSD bounds the step: its reads and writes take {ms(shard)} a step against {ms(t['compute'])} "
              f"of compute ({io.where})"]
-    layout = RowLayout(job.dim)
+    width = RowLayout(job.dim).width
     cache = job.cpu_cache_bytes
     while cache < 2 ** 50:
         cache *= 2
-        entries = entries_for_budget(layout.width, cache)
-        hit = 1.0 if entries >= keys_per_rank else curve.hit_rate(W * k * B, entries * W)
-        step, sh = window(dataclasses.replace(job, cpu_cache_bytes=cache), io, hit, entries)
+        entries = entries_for_budget(width, cache)
+        h = _hit_rate(job, curve, entries, keys_per_rank)
+        step, sh = window(dataclasses.replace(job, cpu_cache_bytes=cache), io, h, entries)
         if sh <= t["compute"] or entries >= keys_per_rank:
-            parts.append(f"a cache of {cache / 2**30:,.2f} GiB a rank (storage.cpu_cache_bytes, hit rate {hit:.3f}) "
+            parts.append(f"a cache of {cache / 2**30:,.2f} GiB a rank (storage.cpu_cache_bytes, hit rate {h:.3f}) "
                          f"would make it {ms(step)}")
             break
     per_ssd = node.ranks_per_ssd
-    entries = entries_for_budget(layout.width, job.cpu_cache_bytes)
-    hit = 1.0 if entries >= keys_per_rank else curve.hit_rate(W * k * B, entries * W)
     if per_ssd > 1:  # the same job with an SSD of its own for every rank
-        step, sh = window(job, shard_rates(rates, in_ram, behind, 1), hit, entries)
+        step, sh = window(job, shard_rates(rates, in_ram, behind, 1), hit, cache_entries)
         parts.append(f"one SSD a rank ({job.ranks_per_node} a node, not {max(job.ranks_per_node // per_ssd, 1)}) "
                      f"would make it {ms(step)}" + (" (still bound by the SSD)" if sh > t["compute"] else ""))
     # a rank's device time scales with 1 / the device's rate: the rate that would match the compute

@@ -75,6 +75,16 @@ def _memory_controller() -> str | None:
     return None
 
 
+def _memory_controller_or_skip() -> str:
+    """The memory controller to make a group with; the test skips without root or without one."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: it creates a memory cgroup")
+    kind = _memory_controller()
+    if kind is None:
+        pytest.skip(f"no memory cgroup controller ({V1} not mounted, no memory in {V2}/cgroup.subtree_control)")
+    return kind
+
+
 class MemoryGroup:
     """A memory cgroup of this test's own with ``limit`` bytes (0: none); ``wrap(cmd)`` runs
     cmd inside it; ``close()`` kills what is left in it and removes it."""
@@ -166,11 +176,7 @@ def ooc_data(tmp_path_factory) -> Path:
 
 
 def test_out_of_core_training_in_a_memory_cgroup(ooc_data, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("needs root: it creates a memory cgroup")
-    kind = _memory_controller()
-    if kind is None:
-        pytest.skip(f"no memory cgroup controller ({V1} not mounted, no memory in {V2}/cgroup.subtree_control)")
+    kind = _memory_controller_or_skip()
     runs = {}
     for tag, limit in (("free", 0), ("limited", LIMIT)):
         group = MemoryGroup(kind, limit, tag)
@@ -196,11 +202,7 @@ def test_storage_tier_with_a_table_ten_times_its_memory_cgroup(tmp_path):
     """Two ranks' storage tiers in a 192 MiB memory cgroup, their shard files together more
     than 10x the limit: no OOM kill, the group's peak at or under the limit, and every row
     bit-identical to the mmap reference path's run without a limit."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: it creates a memory cgroup")
-    kind = _memory_controller()
-    if kind is None:
-        pytest.skip(f"no memory cgroup controller ({V1} not mounted, no memory in {V2}/cgroup.subtree_control)")
+    kind = _memory_controller_or_skip()
     out = {}
     for tag, limit, io in (("limited", STORE_LIMIT, "pread"), ("reference", 0, "mmap")):
         group = MemoryGroup(kind, limit, f"store-{tag}")

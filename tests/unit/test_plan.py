@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import h5py
 import numpy as np
@@ -351,4 +352,10 @@ def test_a_memory_limit_below_the_table_makes_shard_reads_come_from_the_device()
             + t["shard_push_index_blocks_per_window"] / (RATES.disk_rows_per_s / 2)
             + t["shard_new_rows_written_per_window"] / (RATES.flush_rows_per_s or RATES.shard_rows_per_s))
     assert t["shard_write_s_per_step"] == pytest.approx(want / job.every_k_steps)
+    # bound by the SSD: the note names what would lift it, each with a step shorter than this one
+    note = next(n for n in b.notes if n.startswith("the SSD bounds the step"))
+    assert "a cache of" in note and "one SSD a rank (2 a node, not 1)" in note and "x as fast" in note
+    steps = [float(x.replace(",", "")) for x in re.findall(r"would make it ([0-9,.]+) ms", note)]
+    assert len(steps) == 2 and all(x < 1e3 * t["step_s"] for x in steps), (steps, t["step_s"])
+    assert not any(n.startswith("the SSD bounds") for n in a.notes)  # page cache: no SSD note
     assert "SSD" in dict((w, why) for w, _, why in b.fits)["page cache"]
