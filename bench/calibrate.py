@@ -113,45 +113,106 @@ def compute_rates(reps: int) -> dict[str, float]:
             "step_overhead_s": 0.0}
 
 
-def gpu_rates(reps: int, device: str = "cuda") -> dict[str, float]:
+def gpu_rates(reps: int, device: str = "cuda", batches: tuple[int, int] = (2048, 32768)) -> dict[str, float]:
     """The GPU's figures hvctr plan uses on GPU maps (hvctr.plan.gpus; 0 there means the
-    datasheet): the default DNN's forward + backward at batch BATCH, FLOP/s; a 256 MiB
-    device-to-device copy, bytes/s (read + written); one tiny kernel's launch, seconds (the
-    mean of 200 in a row). Each timed to a synchronize."""
+    datasheet), each from the default DNN's local step as the trainer runs it, at two batch
+    sizes (medians of ``reps``, each timed to a synchronize):
+
+    - gpu_flops_per_s: the FLOPs the larger batch adds to the forward + backward, over the time
+      it adds (the marginal rate: the fixed cost of a step is its kernels');
+    - gpu_sparse_keys_per_s: likewise for the gather, the per-row gradient sum and lazy Adam;
+    - gpu_kernel_s: the smaller batch's whole step, less its FLOPs' and keys' time at those
+      rates, over the kernels hvctr.plan.model.gpu_step_s counts in it (launch, dispatch,
+      autograd and Python: on an H200, 25-45 us a kernel);
+    - gpu_bytes_per_s: a 256 MiB device-to-device copy, bytes read + written.
+    """
+    import statistics
+
     import torch
     import torch.nn.functional as F
 
+    from bench.sparse import power_law_positions
     from hvctr.config import ModelConfig
     from hvctr.models import build_model
-    from hvctr.plan.model import dense_flops_per_sample
+    from hvctr.optim import gather_rows, sparse_adam_step, sum_rows_grad
+    from hvctr.plan.model import dense_flops_per_sample, dense_params, gpu_kernels_per_step
 
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     cfg = ModelConfig()
     model = build_model(cfg, DIM, seed=0).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
-    emb = (torch.rand(BATCH, FIELDS, DIM, generator=g) * 0.01).to(dev).requires_grad_()
-    w1 = torch.zeros(BATCH, FIELDS, device=dev, requires_grad=True)
-    dense, labels = torch.rand(BATCH, 13, generator=g).to(dev), (torch.rand(BATCH, generator=g) < 0.25).float().to(dev)
+    timed: dict[str, list[float]] = {}
+
+    def time_of(name: str, fn: Callable[[], object]) -> None:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        timed.setdefault(name, []).append(time.perf_counter() - t0)
+
+    inputs = {}
+    for b in batches:
+        pos = torch.from_numpy(power_law_positions(b, seed=1)).to(dev)
+        rows = (torch.rand(int(pos.max()) + 1, 3 * (DIM + 1) + 1, generator=g) * 0.01).to(dev)
+        inputs[b] = (pos, rows, torch.rand(b, 13, generator=g).to(dev),
+                     (torch.rand(b, generator=g) < 0.25).float().to(dev))
+
+    def fb(b: int) -> Callable[[], object]:
+        pos, rows, dense, labels = inputs[b]
+
+        def run() -> torch.Tensor:
+            p = gather_rows(rows, pos, DIM)
+            loss = F.binary_cross_entropy_with_logits(model(dense, p[..., :DIM], p[..., DIM]), labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            float(loss.detach())
+            return p
+        return run
+
+    def sparse(b: int) -> Callable[[], object]:
+        pos, rows, _, _ = inputs[b]
+
+        def run() -> None:
+            i, s = sum_rows_grad(pos, gather_rows(rows, pos, DIM).detach())
+            sparse_adam_step(rows, i, s, 1e-3, 0.9, 0.999, 1e-8)
+        return run
+
+    def step(b: int) -> Callable[[], object]:  # Trainer._forward_backward + _local_step
+        pos, rows, _, _ = inputs[b]
+        forward_backward = fb(b)
+
+        def run() -> None:
+            p = forward_backward()
+            i, s = sum_rows_grad(pos, p.grad)
+            sparse_adam_step(rows, i, s, 1e-3, 0.9, 0.999, 1e-8)
+            opt.step()
+        return run
+
     big = torch.empty(64 << 20, dtype=torch.float32, device=dev)  # 256 MiB
-    one = torch.zeros(1, device=dev)
-
-    def forward_backward() -> None:
-        F.binary_cross_entropy_with_logits(model(dense, emb, w1), labels).backward()
-        sync()
-
-    def copy() -> None:
-        big.clone()
-        sync()
-
-    def kernels() -> None:
-        for _ in range(200):
-            one.add_(1.0)
-        sync()
-
-    t = _interleaved({"fb": forward_backward, "copy": copy, "kernels": kernels}, reps)
-    return {"gpu_flops_per_s": dense_flops_per_sample(cfg, DIM) * BATCH / t["fb"],
-            "gpu_bytes_per_s": 2 * big.numel() * 4 / t["copy"], "gpu_kernel_s": t["kernels"] / 200}
+    fns = {"copy": big.clone, **{f"{name}{b}": make(b) for b in batches
+                                 for name, make in (("fb", fb), ("sparse", sparse), ("step", step))}}
+    for name, fn in fns.items():
+        time_of(name, fn)  # warm-up
+    timed.clear()
+    for _ in range(max(reps, 1)):
+        for name, fn in fns.items():
+            time_of(name, fn)
+    t = {name: statistics.median(v) for name, v in timed.items()}
+    small, large = batches
+    flops = dense_flops_per_sample(cfg, DIM)
+    # a difference of medians can come out <= 0 on a busy host: then the larger batch's own rate
+    flops_per_s = (flops * (large - small) / (t[f"fb{large}"] - t[f"fb{small}"]) if t[f"fb{large}"] > t[f"fb{small}"]
+                   else flops * large / t[f"fb{large}"])
+    keys = cfg.num_fields * (large - small)
+    keys_per_s = (keys / (t[f"sparse{large}"] - t[f"sparse{small}"]) if t[f"sparse{large}"] > t[f"sparse{small}"]
+                  else cfg.num_fields * large / t[f"sparse{large}"])
+    bytes_per_s = 2 * big.numel() * 4 / t["copy"]
+    kernels = gpu_kernels_per_step(cfg, DIM)
+    rest = t[f"step{small}"] - flops * small / flops_per_s - cfg.num_fields * small / keys_per_s \
+        - 28 * dense_params(cfg, DIM) / bytes_per_s
+    return {"gpu_flops_per_s": flops_per_s, "gpu_bytes_per_s": bytes_per_s,
+            "gpu_kernel_s": max(rest, 0.1 * t[f"step{small}"]) / kernels, "gpu_sparse_keys_per_s": keys_per_s}
 
 
 def host_rates(reps: int) -> dict[str, float]:

@@ -250,8 +250,8 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
              f"Command: `{command}`  ", f"Machine: {machine}  ",
              f"Data: {res['rows']:,} synthetic rows (data_prep synth, 9.09% held out), Bayes-optimal AUC "
              f"{res['bayes_auc']:.4f}. Model: DNN, 26 fields x 16 dims, MLP 512-256-1, batch 4096 per rank, "
-             f"one epoch. Speeds: medians of {len(R)} interleaved rounds. No GPU on this machine: the CUDA path "
-             "is untested on hardware.", ""]
+             f"one epoch. Speeds: medians of {len(R)} interleaved rounds. No GPU on this machine (the CUDA path on "
+             "an H200: \"The GPU step: the planner against an H200\").", ""]
     if "skipped" in trec:
         lines += [f"TorchRec: skipped ({trec['skipped']}).", ""]
     else:

@@ -70,6 +70,12 @@ if [ "${HVCTR_HOROVOD_REBUILD:-0}" = 1 ] || ! ls "$WHEEL_DIR"/horovod-$HOROVOD_V
     grep -q 'CMAKE_CXX_STANDARD 17' "$f" || die "the C++17 patch did not apply to $f"
   done
   mkdir -p "$WHEEL_DIR.tmp.$$"
+  # CMAKE_POLICY_VERSION_MINIMUM: CMake >= 4 refuses the cmake_minimum_required(< 3.5) of the
+  # gloo Horovod vendors unless told which policies to assume (older CMake ignores it).
+  # GCC >= 13 no longer includes <cstdint>, <string> and <stdexcept> through other standard
+  # headers, which Horovod's sources relied on (group_table.h, common.h): included up front.
+  CXXFLAGS="${CXXFLAGS:-} -include cstdint -include string -include stdexcept" \
+  CMAKE_POLICY_VERSION_MINIMUM=${CMAKE_POLICY_VERSION_MINIMUM:-3.5} \
   HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
   HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="${MAKEFLAGS:--j$(nproc)}" \
     pip_ wheel -q --no-build-isolation --no-deps -w "$WHEEL_DIR.tmp.$$" "$src"

@@ -324,23 +324,29 @@ class _Costs:
         return self.r.allreduce_latency_s + self.copy(2 * payload) + self._links(intra, nic)
 
 
+def gpu_kernels_per_step(model: ModelConfig, dim: int) -> int:
+    """The kernels one training step runs on a GPU, as torch.profiler counted them on an H200
+    (bench.gpu_step): about 108 whatever the model (loss, the sparse path, Adam, zero_grad), 7 a
+    linear layer, 3 more a cross layer, 6 DLRM's interaction (129, 159 and 180 for the default
+    dnn, dcnv2 and dlrm-dcnv2; counted 130, 161 and 187)."""
+    kernels = 108 + 7 * len(linear_layers(model, dim))
+    kernels += 3 * model.cross_layers if model.arch in CROSS_ARCHS else 0
+    return kernels + (6 if model.arch is ModelArch.DLRM else 0)
+
+
 def gpu_step_s(job: Job, g: GpuRates, batch_rows: float) -> float:
-    """One step's device time on a GPU: the dense model's FLOPs, the memory-bound kernels' bytes
-    (the gather of B F rows and its gradient sum, lazy Adam of the batch's rows, dense Adam) and
-    a launch per kernel (5 a linear layer forward and backward, about 26 besides; 3 more a cross
-    layer for its x0 * (.) + x_l and its gradients, 6 for DLRM's interaction: the stack, the
-    batched GEMM, the triangle's gather and their backward)."""
-    B, D, F = job.batch_size_per_rank, job.dim, job.model.num_fields
-    layout = RowLayout(D)
-    P = dense_params(job.model, D)
-    flops = dense_flops_per_sample(job.model, D) * B
-    moved = (4 * B * F * layout.model_width * 4  # gather: rows read, copies written; backward: the same
-             + batch_rows * (2 * layout.row_bytes + 4 * layout.model_width)  # lazy Adam: rows in and out, grads
-             + 28 * P)  # dense Adam: p, g, m, v read, p, m, v written
-    kernels = 5 * len(linear_layers(job.model, D)) + 26
-    kernels += 3 * job.model.cross_layers if job.model.arch in CROSS_ARCHS else 0
-    kernels += 6 if job.model.arch is ModelArch.DLRM else 0
-    return flops / g.flops_per_s + moved / g.bytes_per_s + kernels * g.kernel_s
+    """One step's device time on a GPU: the dense model's FLOPs, the sparse path's batch keys
+    (the gather of B F rows, its gradient sum per row and lazy Adam of the batch's rows, in
+    torch on the device: sorts and index kernels, which the keys, not the bytes, set), dense
+    Adam's bytes, and the step's kernels one after another (gpu_kernels_per_step: eager
+    PyTorch's dispatch on the host, not the GPU, sets a small model's step). ``batch_rows`` (the
+    batch's distinct rows) is kept for callers; their lazy Adam is in the keys' rate."""
+    B, F = job.batch_size_per_rank, job.model.num_fields
+    P = dense_params(job.model, job.dim)
+    flops = dense_flops_per_sample(job.model, job.dim) * B
+    moved = 28 * P  # dense Adam: p, g, m, v read, p, m, v written
+    kernels = gpu_kernels_per_step(job.model, job.dim)
+    return flops / g.flops_per_s + B * F / g.sparse_keys_per_s + moved / g.bytes_per_s + kernels * g.kernel_s
 
 
 def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float, io: ShardRates,
@@ -441,7 +447,8 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     behind = job.write_behind is WriteBehind.ON or (job.write_behind is WriteBehind.AUTO and node.memory_limited)
     io = shard_rates(rates, shard_in_ram, behind, node.ranks_per_ssd)
     cpu = _stretch(job, node, rates)
-    gpu = (gpu_rates(node.gpu_model, rates.gpu_flops_per_s, rates.gpu_bytes_per_s, rates.gpu_kernel_s)
+    gpu = (gpu_rates(node.gpu_model, rates.gpu_flops_per_s, rates.gpu_bytes_per_s, rates.gpu_kernel_s,
+                     rates.gpu_sparse_keys_per_s)
            if on_device else None)
     if on_device:
         notes.append(f"GPU compute: {gpu.source}" if gpu else

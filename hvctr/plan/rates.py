@@ -52,7 +52,8 @@ DOC = {
     "disk_write_rows_per_s": "rows written back to random places of the shard as under a memory limit (each page written, flushed to the device, dropped), rows/s, the device's; 0: half disk_rows_per_s",
     "gpu_flops_per_s": "GPU nodes: the dense model's forward + backward on the GPU, FLOP/s; 0: the map's GPU datasheet, derated (hvctr.plan.gpus)",
     "gpu_bytes_per_s": "GPU nodes: memory-bound kernels (gather, gradient sums, Adam), bytes/s; 0: the datasheet's HBM bandwidth, derated",
-    "gpu_kernel_s": "GPU nodes: one kernel's launch and dispatch, seconds; 0: assumed (hvctr.plan.gpus.KERNEL_S)",
+    "gpu_kernel_s": "GPU nodes: one kernel of a training step, its launch and eager PyTorch's dispatch, seconds; 0: assumed (hvctr.plan.gpus.KERNEL_S)",
+    "gpu_sparse_keys_per_s": "GPU nodes: batch keys through the gather, the per-row gradient sum and lazy Adam on the GPU, keys/s; 0: assumed from the HBM bandwidth (hvctr.plan.gpus)",
 }
 
 
@@ -83,6 +84,7 @@ class Rates:
     gpu_flops_per_s: float = 0.0
     gpu_bytes_per_s: float = 0.0
     gpu_kernel_s: float = 0.0
+    gpu_sparse_keys_per_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@
 # Runs tests/gpu/test_cuda.py: the sparse optimiser's ops and a model step with device cuda
 # (deterministic: CUBLAS_WORKSPACE_CONFIG=:4096:8), the trainer on cuda (hvctr simulate, 2 ranks),
 # and 2 ranks of `hvctr train` under mpirun on the one GPU with a small table, killed after a
-# checkpoint and resumed: bit-equal to an uninterrupted run. Where no CUDA GPU is visible it
+# checkpoint and resumed: bit-equal to an uninterrupted run; then bench.gpu_step, the planner's GPU
+# step against this GPU's (BENCHMARKS.md, "The GPU step"). Where no CUDA GPU is visible it
 # prints one line, "skipped: no CUDA GPU ...", and exits 0.
 #
 # Needs: torch with CUDA, Horovod built against that torch (with NCCL for GPU tensors:
@@ -36,3 +37,4 @@ export OMPI_ALLOW_RUN_AS_ROOT=${OMPI_ALLOW_RUN_AS_ROOT:-1} OMPI_ALLOW_RUN_AS_ROO
 start=$SECONDS
 timeout 290 "$PY" -m pytest -q -p no:cacheprovider -rs tests/gpu/test_cuda.py
 echo "tests/gpu/smoke.sh: passed in $((SECONDS - start)) s"
+timeout 200 "$PY" -m bench.gpu_step --reps 30

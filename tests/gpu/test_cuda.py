@@ -116,6 +116,7 @@ def test_calibrate_measures_this_gpu_for_the_planner():
 
     g = gpu_rates(3)
     assert g["gpu_flops_per_s"] > 1e11 and g["gpu_bytes_per_s"] > 1e11 and 0 < g["gpu_kernel_s"] < 1e-3, g
+    assert g["gpu_sparse_keys_per_s"] > 1e6, g
     from hvctr.plan.cmd import DEFAULT_RATES
 
     rates = dataclasses.replace(load_rates(DEFAULT_RATES).entries[0], **g)
