@@ -104,10 +104,22 @@ class KeyCurve:
             return 1.0
         m = window_rows * self.fields  # key draws in the window
         if self.sample_counts is not None:
-            # q_j = P(key j is in the window), from its count in the sample.
+            # q_j = P(key j is in the window), from its count in the sample (descending).
             q = -np.expm1(-self.sample_counts.astype(np.float64) * (window_rows / self.sample_rows))
-            c = int(min(cached_keys, q.shape[0]))
-            return float(q[:c].sum() / q.sum()) if q.sum() > 0 else 1.0
+            total = q.sum()
+            if total <= 0:
+                return 1.0
+            n_sample = q.shape[0]
+            # Keys seen once in the sample are the data's rare ones: the data has more of them
+            # than the sample shows (self.keys, from the split's sketches), and the cache holds
+            # only its share of that pool, never every one the sample happened to see (which
+            # would read 1.000 for any cache larger than the sample's keys).
+            multi = int(np.searchsorted(-self.sample_counts, -1, side="left"))  # keys seen twice or more
+            if cached_keys <= multi or self.keys <= n_sample:
+                c = int(min(cached_keys, n_sample))
+                return float(q[:c].sum() / total)
+            share = min((cached_keys - multi) / max(self.keys - multi, 1.0), 1.0)
+            return float((q[:multi].sum() + share * q[multi:].sum()) / total)
         s, n_keys = self.zipf_exponent, int(self.keys)
         norm = _zipf_sum(lambda p: p, n_keys, s)
         q = lambda p: -np.expm1(-m * p / norm)

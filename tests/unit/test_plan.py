@@ -149,6 +149,24 @@ def test_zipf_hit_rate_matches_brute_force():
     assert curve.hit_rate(rows, 0) == 0.0 and curve.hit_rate(rows, keys) == 1.0
 
 
+def test_a_sampled_curves_hit_rate_counts_the_rare_keys_the_sample_did_not_see():
+    """A sample of 100 keys (4 seen more than once) out of data with 1,000: a cache of 504 keys
+    holds the 4 and a share of the rare pool, 500 of its 996, not every key the sample saw (the
+    planner read 1.000 there for the 16.7 GB table's 2 GiB cache); with the whole data sampled
+    the cache's top keys, as before."""
+    from hvctr.plan.keyfreq import KeyCurve
+
+    counts = np.array([5, 4, 3, 2] + [1] * 96)
+    curve = KeyCurve(rows=(1.0, 100.0), distinct=(1.0, 100.0), fields=1, keys=1000.0, sample_counts=counts,
+                     sample_rows=100)
+    q = -np.expm1(-counts * 10 / 100)
+    assert curve.hit_rate(10, 504) == pytest.approx((q[:4].sum() + 500 / 996 * q[4:].sum()) / q.sum())
+    assert curve.hit_rate(10, 3) == pytest.approx(q[:3].sum() / q.sum())  # within the keys seen twice or more
+    assert curve.hit_rate(10, 100) < 0.2 < curve.hit_rate(10, 1000) == 1.0
+    whole = dataclasses.replace(curve, keys=100.0)
+    assert whole.hit_rate(10, 50) == pytest.approx(q[:50].sum() / q.sum())
+
+
 def test_key_curve_interpolates_in_log_space_and_stays_within_bounds():
     c = KeyCurve(rows=(10.0, 1000.0), distinct=(100.0, 1000.0), fields=26, keys=5000.0)
     assert c(10) == pytest.approx(100) and c(1000) == pytest.approx(1000)
