@@ -152,12 +152,16 @@ class Cgroup:
 
 
 def _pool_rate(path: Path, size: int, seconds: int, threads: int, item: int, write: bool = False,
-               cached: bool = False, behind: bool = False) -> int:
+               cached: bool = False, behind: bool = False, writers: int = 1) -> int:
     """Items of ``item`` bytes at random sorted positions of ``path`` read (``write``: written,
     as the store's write-back does: each page read, changed, written, then flushed and dropped)
     per second by hvctr's pool (storage.io_threads = ``threads``), in batches of 20k as a
-    window's cold rows come; the file's pages dropped first, unless ``cached`` (the file read
-    into the page cache first: what a row or index block costs that the page cache holds)."""
+    window's cold rows come, by ``writers`` callers at once (as many as the job's ranks on the
+    device: the device's rate at the job's concurrency, which the planner shares among them);
+    the file's pages dropped first, unless ``cached`` (the file read into the page cache first:
+    what a row or index block costs that the page cache holds)."""
+    import threading
+
     from hvctr.kernels import diskio
 
     fd = os.open(path, os.O_RDWR if write else os.O_RDONLY)
@@ -168,24 +172,40 @@ def _pool_rate(path: Path, size: int, seconds: int, threads: int, item: int, wri
             with open(path, "rb", buffering=0) as f:
                 while f.read(1 << 24):
                     pass
-        rng = np.random.default_rng(threads + 2 * write + cached + 4 * behind)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            pos = np.unique(rng.integers(0, size // item, 20000 if threads > 1 else 2000))
-            buf = np.zeros(pos.size * item, dtype=np.uint8)
-            if write:  # behind: flushed and dropped after (storage.write_behind on)
-                diskio.write(fd, str(path), 0, item, pos, buf, threads, behind)
-            else:
-                diskio.read(fd, str(path), 0, item, pos, buf, threads)
-            n += pos.size
-        return round(n / (time.perf_counter() - t0))
+        done = [0] * writers
+        errors: list[BaseException] = []
+        t0 = time.perf_counter()
+
+        def caller(i: int) -> None:  # the pool releases the GIL: the callers' batches overlap
+            try:
+                rng = np.random.default_rng(threads + 2 * write + cached + 4 * behind + 8 * i)
+                while time.perf_counter() - t0 < seconds:
+                    pos = np.unique(rng.integers(0, size // item, 20000 if threads > 1 else 2000))
+                    buf = np.zeros(pos.size * item, dtype=np.uint8)
+                    if write:  # behind: flushed and dropped after (storage.write_behind on)
+                        diskio.write(fd, str(path), 0, item, pos, buf, threads, behind)
+                    else:
+                        diskio.read(fd, str(path), 0, item, pos, buf, threads)
+                    done[i] += pos.size
+            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+                errors.append(e)
+
+        callers = [threading.Thread(target=caller, args=(i,)) for i in range(writers)]
+        for c in callers:
+            c.start()
+        for c in callers:
+            c.join()
+        if errors:
+            raise errors[0]
+        return round(sum(done) / (time.perf_counter() - t0))
     finally:
         os.close(fd)
 
 
-def device_rate(work: Path, seconds: int) -> dict:
+def device_rate(work: Path, seconds: int, writers: int = 2) -> dict:
     """4 KiB random reads per second at depth 1 and 32 on ``work``'s file system (fio, else the
-    pool), and what hvctr's pool reads of the same file: 4 KiB pages and 208-byte rows (D = 16)."""
+    pool), and what hvctr's pool reads of the same file: 4 KiB pages and 208-byte rows (D = 16);
+    the rows' rates with ``writers`` callers at once (the job's 2 ranks)."""
     path = work / "device-probe.bin"
     size = 4 << 30
     with open(path, "wb") as f:
@@ -204,7 +224,7 @@ def device_rate(work: Path, seconds: int) -> dict:
                                    capture_output=True, text=True, check=True)
                 out[f"iops_depth{depth}"] = round(json.loads(r.stdout)["jobs"][0]["read"]["iops"])
             out["pool_pages_per_s"] = _pool_rate(path, size, seconds, 32, 4096)
-            out.update(_pool_row_rates(path, size, seconds))
+            out.update(_pool_row_rates(path, size, seconds, writers))
             return out
         from hvctr.kernels import diskio
         out = {"tool": "hvctr's pread pool (fio not installed), 4 KiB randread, page cache dropped"}
@@ -223,23 +243,27 @@ def device_rate(work: Path, seconds: int) -> dict:
                 out[f"iops_depth{depth}"] = round(n / (time.perf_counter() - t0))
         finally:
             os.close(fd)
-        out.update(_pool_row_rates(path, size, seconds))
+        out.update(_pool_row_rates(path, size, seconds, writers))
         return out
     finally:
         path.unlink(missing_ok=True)
 
 
-def _pool_row_rates(path: Path, size: int, seconds: int) -> dict:
+def _pool_row_rates(path: Path, size: int, seconds: int, writers: int) -> dict:
     """The pool's rates for 208-byte rows (D = 16) at random places of the probe file, the things
-    a window's shard traffic is made of (``predict`` gives them to the planner): read from the
-    device and from the page cache; written back as under a memory limit (storage.write_behind
-    on: each page flushed to the device and dropped; its read before the write is a page-cache
-    hit, as a written-back row's is: the pull read it in the same window or the one before) and
-    as without one (written into the page cache, left to the kernel)."""
-    return {"pool_rows_per_s": _pool_rate(path, size, seconds, 32, 208),
-            "pool_rows_cached_per_s": _pool_rate(path, size, seconds, 32, 208, cached=True),
-            "pool_write_rows_per_s": _pool_rate(path, size, seconds, 32, 208, write=True, cached=True, behind=True),
-            "pool_write_rows_cached_per_s": _pool_rate(path, size, seconds, 32, 208, write=True, cached=True)}
+    a window's shard traffic is made of (``predict`` gives them to the planner), ``writers``
+    callers at once: read from the device and from the page cache; written back as under a
+    memory limit (storage.write_behind on: each page flushed to the device and dropped; its read
+    before the write is a page-cache hit, as a written-back row's is: the pull read it in the
+    same window or the one before) and as without one (written into the page cache, left to the
+    kernel). Two writers got 1.25x one's write-back rate on this machine's disk (2026-12-04)."""
+    return {"pool_rows_per_s": _pool_rate(path, size, seconds, 32, 208, writers=writers),
+            "pool_rows_cached_per_s": _pool_rate(path, size, seconds, 32, 208, cached=True, writers=writers),
+            "pool_write_rows_per_s": _pool_rate(path, size, seconds, 32, 208, write=True, cached=True, behind=True,
+                                                writers=writers),
+            "pool_write_rows_cached_per_s": _pool_rate(path, size, seconds, 32, 208, write=True, cached=True,
+                                                       writers=writers),
+            "pool_row_callers": writers}
 
 
 # --- the job ---------------------------------------------------------------------------------
@@ -551,7 +575,8 @@ def report(res: dict) -> str:
         f"Device ({dev['tool']}): {dev['iops_depth1']:,} reads/s at depth 1, {best:,} at depth 32."
         + (f" hvctr's pool (32 threads, pages dropped) on the same file: {dev['pool_pages_per_s']:,} random 4 KiB "
            f"pages/s (**{dev['pool_pages_per_s'] / best:.2f}x** fio) and {dev['pool_rows_per_s']:,} random 208-byte "
-           f"rows/s ({dev['pool_rows_per_s'] / best:.2f}x)." if "pool_pages_per_s" in dev else ""),
+           f"rows/s ({dev['pool_rows_per_s'] / best:.2f}x; {dev.get('pool_row_callers', 1)} caller(s) at once, as the "
+           f"rows' rates the planner takes)." if "pool_pages_per_s" in dev else ""),
         "",
         "| | no limit | in the cgroup | limited / unlimited |",
         "|---|---|---|---|",
