@@ -52,6 +52,15 @@ from hvctr.storage.shard import INDEX_DTYPE, META_DTYPE, PENDING_PER_BLOCK, memo
 
 KEY_BYTES = 8
 INDEX_BLOCKS_PER_ROW_READ = 1.0  # a known key's probe reads its home block (linear probing rarely leaves it)
+# 4 KiB pages (of rows and of row meta) a written-back row costs, each read, changed and written:
+# the rows a window lets go share pages (a shard appends rows in the order their keys came, and a
+# window's cold rows came together), though the cache lets them go over several batches (among
+# rows that came in one operation it takes the lowest shard positions first). Measured by the run
+# summaries' write-back bytes: 0.375 a row on a 2.1 GB table (1.9M rows of data_prep synth
+# --unique-fields 8, 2 ranks, 2 passes, 14.4M rows written back; 0.42 before the cache's tie-break
+# by position, 0.41 on the 16.7 GB table then; BENCHMARKS.md, "A table larger than memory"). The
+# probe's random rows cost one page each.
+WRITEBACK_PAGES_PER_ROW = 0.375
 FITS, NO_FIT, UNKNOWN, INFO = "fits", "DOES NOT FIT", "unknown", "info"
 # A rank's memory besides the cache, the window buffers and the shard's filter: Python, torch
 # (with torch._dynamo, which torch.optim imports), h5py, Horovod and its 16 MiB fusion buffer
@@ -229,7 +238,8 @@ def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries
     - index_blocks_read: one a row read (a known key's home block; the key filter spares the
       probes of keys the shard never held, most of a first pass's);
     - rows_written: rows the cache lets go, one a row it takes in (a full cache), each dirty (the
-      push wrote it): a page read, changed and written at a random place of the shard;
+      push wrote it): WRITEBACK_PAGES_PER_ROW pages read, changed and written (the time charges
+      pages; this count is rows);
     - new_rows_written: rows created this window that reach the shard the same way, at
       positions one after another (coalesced: written at the flush's rate);
     - push_index_blocks: the push's lookups of rows the pull read but the cache did not keep to
@@ -364,7 +374,7 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     shard_read = stretch * (traffic["rows_read"] / io.read + traffic["index_blocks_read"] / io.index)
     # write-back of the rows the cache lets go, the push's index lookups, new rows' writes and
     # their index entries (a block read and written, as a row's page is)
-    shard_write = stretch * ((traffic["rows_written"] + traffic["index_blocks_written"]) / io.write
+    shard_write = stretch * ((traffic["rows_written"] * WRITEBACK_PAGES_PER_ROW + traffic["index_blocks_written"]) / io.write
                              + traffic["push_index_blocks"] / io.index + traffic["new_rows_written"] / io.sequential_write)
     warm = (2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES) + c.cpu * u_o / r.cache_rows_per_s + shard_read
             if job.prefetch else 0.0)

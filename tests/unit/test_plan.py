@@ -367,7 +367,10 @@ def test_a_memory_limit_below_the_table_makes_shard_reads_come_from_the_device()
     assert (a.figures["shard_write_behind"], b.figures["shard_write_behind"]) == (False, True)
     assert "page cache" in a.figures["shard_reads_from"] and "device" in b.figures["shard_reads_from"]
     t = b.figures
-    want = ((t["shard_rows_written_per_window"] + t["shard_index_blocks_written_per_window"]) / (RATES.disk_rows_per_s / 2 / 2)
+    from hvctr.plan.model import WRITEBACK_PAGES_PER_ROW
+
+    want = ((t["shard_rows_written_per_window"] * WRITEBACK_PAGES_PER_ROW + t["shard_index_blocks_written_per_window"])
+            / (RATES.disk_rows_per_s / 2 / 2)
             + t["shard_push_index_blocks_per_window"] / (RATES.disk_rows_per_s / 2)
             + t["shard_new_rows_written_per_window"] / (RATES.flush_rows_per_s or RATES.shard_rows_per_s))
     assert t["shard_write_s_per_step"] == pytest.approx(want / job.every_k_steps)

@@ -162,3 +162,22 @@ def test_lfu_aging_lets_yesterdays_hot_keys_go():
     assert new_kept == 40 and old_kept == 30  # the 10 fresh keys displaced old ones only
     old_kept, new_kept = _survivors_after_traffic_moves(aging_lookups=1 << 30)  # no aging
     assert new_kept == 30 and old_kept == 40  # stale counts win: the current hot set suffers
+
+
+@pytest.mark.parametrize("policy", [CachePolicy.LFU, CachePolicy.LRU])
+def test_victims_among_equals_are_the_lowest_shard_positions_in_file_order(policy):
+    """Rows that came in one operation tie on (count, tick): the eviction takes the lowest
+    shard positions among them, so that consecutive write-back batches write consecutive pages
+    (an arbitrary pick wrote each page once for every batch that took one of its rows)."""
+    c = RowCache(W, 512 * (4 * W + ENTRY_OVERHEAD_BYTES), policy=policy)
+    assert c.capacity == 512
+    keys = _keys(600, seed=1)[:512]
+    pos = np.random.default_rng(2).permutation(10_000)[:512].astype(np.int64)
+    c.lookup(keys, "access")
+    c.insert(keys, np.ones((512, W), np.float32), pos, True)
+    fresh = _keys(100, seed=3)
+    c.lookup(fresh, "access")  # the next operation
+    n, (vk, vpos, vrows) = c.insert(fresh, np.zeros((100, W), np.float32), np.arange(10_000, 10_100), True)
+    assert n == 100
+    assert np.array_equal(vpos, np.sort(pos)[:100])
+    assert np.array_equal(vk, keys[np.argsort(pos)][:100]) and (vrows == 1).all()
