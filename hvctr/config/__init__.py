@@ -138,7 +138,8 @@ class StorageConfig:
     # the pread path's shard writes (write-back, flushes, the index): flushed to the device as
     # they are written and their pages dropped (a memory cgroup counts page cache, and v1 does
     # not throttle a group's dirty pages: reclaim would wait on them), or left to the kernel's
-    # page cache, where a row written in one window is still there when the next reads it
+    # page cache, where a row written in one window is still there when the next reads it;
+    # on also reads through O_DIRECT (no page-cache pages to charge to the group and reclaim)
     write_behind: WriteBehind = WriteBehind.AUTO
     # give the free pages of the C heaps back to the system (malloc_trim) after each window: the
     # window's freed arrays, otherwise kept by the process where a memory limit wants them for

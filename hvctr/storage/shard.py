@@ -49,6 +49,7 @@ pwrite as the rows do.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import time
@@ -226,6 +227,24 @@ def _write_runs(fd: int, base: int, item_bytes: int, view: memoryview, at: np.nd
         pwrite_all(fd, view[s * item_bytes:(s + length) * item_bytes], base + p * item_bytes)
 
 
+def _open_direct(path: str, fd: int) -> int:
+    """A second descriptor of ``path`` for the pool's reads, with O_DIRECT: under write-behind (a
+    memory limit) a read row's page would be charged to the job's memory cgroup and reclaimed
+    again at once, a page-cache insertion, a charge and a reclaim for every cold row; O_DIRECT
+    reads it into the pool's own page-aligned buffer. The writes stay buffered (read, changed,
+    written, flushed, dropped; the kernel writes back any dirty page of a range before a direct
+    read of it). Where the file system refuses O_DIRECT (tmpfs), ``fd`` itself."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return fd
+    try:
+        return os.open(path, os.O_RDONLY | flag)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return fd
+        raise
+
+
 def strictly_increasing(a: np.ndarray) -> bool:
     return bool(np.all(a[1:] > a[:-1]))
 
@@ -285,6 +304,7 @@ class Shard:
         self._off = {k: int(v) for k, v in offs.items()}
         self.writable = writable
         self._fd = os.open(self.path, os.O_RDWR if writable else os.O_RDONLY)
+        self._read_fd = self._fd  # the pool's reads of rows, meta and index blocks
         # pread needs the C kernels' pool; without them (HVCTR_NATIVE=0) the reference path runs
         self.io = io if io == "mmap" or diskio.available() else "mmap"
         self.io_threads = int(io_threads)
@@ -295,6 +315,8 @@ class Shard:
         self.index_by_map = False
         if self.io == "pread":
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: reads are rows, not streams
+            if write_behind:
+                self._read_fd = _open_direct(self.path, self._fd)
         else:
             # Index entries go through the map where overwriting allocates nothing (module docstring).
             self.index_by_map = writable and file_system_type(self.path) not in _COPY_ON_WRITE_FS
@@ -525,8 +547,8 @@ class Shard:
     def _read_index_blocks(self, blocks: np.ndarray) -> np.ndarray:
         """Index blocks (sorted unique numbers) as [n, SLOTS_PER_BLOCK] entries, read by the pool."""
         out = np.empty((blocks.shape[0], SLOTS_PER_BLOCK), dtype=INDEX_DTYPE)
-        diskio.read(self._fd, self.path, self._off["index"], BLOCK_BYTES, blocks, out, self.io_threads,
-                      self.io_stats)
+        diskio.read(self._read_fd, self.path, self._off["index"], BLOCK_BYTES, blocks, out, self.io_threads,
+                    self.io_stats)
         self.index_blocks_read += blocks.shape[0]
         return out
 
@@ -597,7 +619,7 @@ class Shard:
     # --- rows --------------------------------------------------------------------------
 
     def _io_read(self, dataset: str, item_bytes: int, pos: np.ndarray, out: np.ndarray) -> None:
-        diskio.read(self._fd, self.path, self._off[dataset], item_bytes, pos, out, self.io_threads, self.io_stats)
+        diskio.read(self._read_fd, self.path, self._off[dataset], item_bytes, pos, out, self.io_threads, self.io_stats)
 
     def _io_write(self, dataset: str, item_bytes: int, pos: np.ndarray, data: np.ndarray) -> int:
         diskio.write(self._fd, self.path, self._off[dataset], item_bytes, pos, data, self.io_threads,
@@ -714,8 +736,10 @@ class Shard:
         self._pending = None
         # Dropping the arrays unmaps the file (numpy holds the mmap's buffer until then).
         self._index = self._index_keys = self._rows = self._meta = None
+        if self._read_fd != self._fd:
+            os.close(self._read_fd)
         os.close(self._fd)
-        self._fd = -1
+        self._fd = self._read_fd = -1
 
     def _require_writable(self) -> None:
         if not self.writable:

@@ -78,3 +78,28 @@ def test_unsorted_positions_and_a_bad_descriptor_are_errors(f):
     with pytest.raises(OSError) as e:
         diskio.read(987654, path, 0, 16, np.array([1, 3]), out, 2)
     assert e.value.errno == errno.EBADF and path in str(e.value)
+
+
+@pytest.mark.parametrize("item", [208, 4096])
+def test_direct_reads_match_and_end_inside_the_files_last_page(tmp_path, item):
+    """The shard's reads under write-behind go through an O_DIRECT descriptor: page-aligned spans
+    into the pool's page-aligned buffers, the same bytes; a run that ends in the file's last,
+    partial page reads up to the end (where a file system refuses the unaligned offset after the
+    short read with EINVAL, the pool takes it as the end of the file; ext4 here reports 0)."""
+    path = tmp_path / "d.bin"
+    data = np.random.default_rng(1).integers(0, 255, (3 << 20) + 1000, dtype=np.uint8)  # not a page multiple
+    path.write_bytes(data.tobytes())
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT ({e})")
+    try:
+        base = 7
+        n_items = (data.size - base) // item
+        pos = np.unique(np.concatenate([np.random.default_rng(2).integers(0, n_items, 300), [n_items - 1]]))
+        out = np.empty(pos.size * item, dtype=np.uint8)
+        diskio.read(fd, str(path), base, item, pos, out, 8)
+        want = np.concatenate([data[base + p * item: base + (p + 1) * item] for p in pos])
+        np.testing.assert_array_equal(out, want)
+    finally:
+        os.close(fd)
