@@ -68,39 +68,70 @@ def _interleaved(fns: dict[str, Callable[[], object]], reps: int, stat: Callable
 # --- the measurements (one rank) ------------------------------------------------------
 
 
+class LocalStep:
+    """One rank's local step as the trainer runs it (Trainer._forward_backward + _local_step) on
+    a batch of ``batch`` power-law keys, and its parts, for the rates measured here and in
+    bench.gpu_step. ``model`` and ``opt`` may be shared by several batch sizes. Nothing waits
+    for a device: the callers time to their own synchronize."""
+
+    def __init__(self, cfg, batch: int, device, model=None, opt=None, seed: int = 0) -> None:
+        import torch
+
+        from bench.sparse import power_law_positions
+        from hvctr.models import build_model
+
+        self.cfg = cfg
+        self.model = model if model is not None else build_model(cfg, DIM, seed=0).to(device)
+        self.opt = opt if opt is not None else torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(seed)
+        self.pos = torch.from_numpy(power_law_positions(batch, seed=1)).to(device)
+        self.rows = (torch.rand(int(self.pos.max()) + 1, 3 * (DIM + 1) + 1, generator=g) * 0.01).to(device)
+        self.dense = torch.rand(batch, cfg.num_dense, generator=g).to(device)
+        self.labels = (torch.rand(batch, generator=g) < 0.25).float().to(device)
+
+    def forward_backward(self):
+        """The gather, forward, backward and the loss read back; the gathered leaf (its .grad set)."""
+        import torch.nn.functional as F
+
+        from hvctr.optim import gather_rows
+
+        p = gather_rows(self.rows, self.pos, DIM)
+        loss = F.binary_cross_entropy_with_logits(self.model(self.dense, p[..., :DIM], p[..., DIM]), self.labels)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        float(loss.detach())
+        return p
+
+    def sparse(self) -> None:
+        """The gather, the per-row gradient sum and lazy Adam on the rows (on the gathered values)."""
+        from hvctr.optim import gather_rows, sparse_adam_step, sum_rows_grad
+
+        i, s = sum_rows_grad(self.pos, gather_rows(self.rows, self.pos, DIM).detach())
+        sparse_adam_step(self.rows, i, s, 1e-3, 0.9, 0.999, 1e-8)
+
+    def step(self) -> None:
+        """The whole local step."""
+        from hvctr.optim import sparse_adam_step, sum_rows_grad
+
+        p = self.forward_backward()
+        i, s = sum_rows_grad(self.pos, p.grad)
+        sparse_adam_step(self.rows, i, s, 1e-3, 0.9, 0.999, 1e-8)
+        self.opt.step()
+
+
 def compute_rates(reps: int) -> dict[str, float]:
     import torch
-    import torch.nn.functional as F
 
     from hvctr.config import ModelConfig
-    from hvctr.models import build_model
     from hvctr.optim import gather_rows, sparse_adam_step, sum_rows_grad
-    from bench.sparse import power_law_positions
     from hvctr.plan.model import dense_flops_per_sample, dense_params
 
     cfg = ModelConfig()
-    model = build_model(cfg, DIM, seed=0)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
-    pos = torch.from_numpy(power_law_positions(BATCH, seed=1))
-    rows = torch.rand(int(pos.max()) + 1, 3 * (DIM + 1) + 1, generator=g) * 0.01
-    dense, labels = torch.rand(BATCH, 13, generator=g), (torch.rand(BATCH, generator=g) < 0.25).float()
-    leaf = gather_rows(rows, pos, DIM)
+    ls = LocalStep(cfg, BATCH, torch.device("cpu"))
+    opt, pos, rows = ls.opt, ls.pos, ls.rows
+    idx, summed = sum_rows_grad(pos, ls.forward_backward().grad)
 
-    F.binary_cross_entropy_with_logits(model(dense, leaf[..., :DIM], leaf[..., DIM]), labels).backward()
-    idx, summed = sum_rows_grad(pos, leaf.grad)
-
-    def local_step() -> None:  # Trainer._forward_backward + _local_step
-        p = gather_rows(rows, pos, DIM)
-        loss = F.binary_cross_entropy_with_logits(model(dense, p[..., :DIM], p[..., DIM]), labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        float(loss.detach())
-        i, s = sum_rows_grad(pos, p.grad)
-        sparse_adam_step(rows, i, s, 1e-3, 0.9, 0.999, 1e-8)
-        opt.step()
-
-    t = _interleaved({"step": local_step, "adam": opt.step,
+    t = _interleaved({"step": ls.step, "adam": opt.step,
                       "keys": lambda: sum_rows_grad(pos, gather_rows(rows, pos, DIM).detach()),
                       "rows": lambda: sparse_adam_step(rows, idx, summed, 1e-3, 0.9, 0.999, 1e-8)}, reps)
     # The dense rate is what a whole local step leaves after its measured sparse parts and
@@ -129,20 +160,15 @@ def gpu_rates(reps: int, device: str = "cuda", batches: tuple[int, int] = (2048,
     import statistics
 
     import torch
-    import torch.nn.functional as F
 
-    from bench.sparse import power_law_positions
     from hvctr.config import ModelConfig
-    from hvctr.models import build_model
-    from hvctr.optim import gather_rows, sparse_adam_step, sum_rows_grad
     from hvctr.plan.model import dense_flops_per_sample, dense_params, gpu_kernels_per_step
 
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     cfg = ModelConfig()
-    model = build_model(cfg, DIM, seed=0).to(dev)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
+    first = LocalStep(cfg, batches[0], dev)  # the larger batch trains the same model
+    steps = {batches[0]: first, batches[1]: LocalStep(cfg, batches[1], dev, first.model, first.opt)}
     timed: dict[str, list[float]] = {}
 
     def time_of(name: str, fn: Callable[[], object]) -> None:
@@ -151,47 +177,9 @@ def gpu_rates(reps: int, device: str = "cuda", batches: tuple[int, int] = (2048,
         sync()
         timed.setdefault(name, []).append(time.perf_counter() - t0)
 
-    inputs = {}
-    for b in batches:
-        pos = torch.from_numpy(power_law_positions(b, seed=1)).to(dev)
-        rows = (torch.rand(int(pos.max()) + 1, 3 * (DIM + 1) + 1, generator=g) * 0.01).to(dev)
-        inputs[b] = (pos, rows, torch.rand(b, 13, generator=g).to(dev),
-                     (torch.rand(b, generator=g) < 0.25).float().to(dev))
-
-    def fb(b: int) -> Callable[[], object]:
-        pos, rows, dense, labels = inputs[b]
-
-        def run() -> torch.Tensor:
-            p = gather_rows(rows, pos, DIM)
-            loss = F.binary_cross_entropy_with_logits(model(dense, p[..., :DIM], p[..., DIM]), labels)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            float(loss.detach())
-            return p
-        return run
-
-    def sparse(b: int) -> Callable[[], object]:
-        pos, rows, _, _ = inputs[b]
-
-        def run() -> None:
-            i, s = sum_rows_grad(pos, gather_rows(rows, pos, DIM).detach())
-            sparse_adam_step(rows, i, s, 1e-3, 0.9, 0.999, 1e-8)
-        return run
-
-    def step(b: int) -> Callable[[], object]:  # Trainer._forward_backward + _local_step
-        pos, rows, _, _ = inputs[b]
-        forward_backward = fb(b)
-
-        def run() -> None:
-            p = forward_backward()
-            i, s = sum_rows_grad(pos, p.grad)
-            sparse_adam_step(rows, i, s, 1e-3, 0.9, 0.999, 1e-8)
-            opt.step()
-        return run
-
     big = torch.empty(64 << 20, dtype=torch.float32, device=dev)  # 256 MiB
-    fns = {"copy": big.clone, **{f"{name}{b}": make(b) for b in batches
-                                 for name, make in (("fb", fb), ("sparse", sparse), ("step", step))}}
+    fns = {"copy": big.clone, **{f"{name}{b}": fn for b, ls in steps.items()
+                                 for name, fn in (("fb", ls.forward_backward), ("sparse", ls.sparse), ("step", ls.step))}}
     for name, fn in fns.items():
         time_of(name, fn)  # warm-up
     timed.clear()

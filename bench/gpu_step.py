@@ -34,53 +34,21 @@ def step_seconds(arch: str, batch: int, reps: int) -> tuple[dict[str, float], in
     backward, the loss read back; ``sparse``: the gather, the per-row gradient sum and lazy Adam;
     ``adam``: the dense Adam step), and the batch's distinct rows."""
     import torch
-    import torch.nn.functional as F
 
-    from bench.sparse import power_law_positions
+    from bench.calibrate import LocalStep
     from hvctr.config import ModelArch, ModelConfig
-    from hvctr.models import build_model
-    from hvctr.optim import gather_rows, sparse_adam_step, sum_rows_grad
 
-    dev = torch.device("cuda")
-    cfg = ModelConfig(arch=ModelArch(arch))
-    model = build_model(cfg, DIM, seed=0).to(dev)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
-    pos = torch.from_numpy(power_law_positions(batch, seed=1)).to(dev)
-    rows = (torch.rand(int(pos.max()) + 1, 3 * (DIM + 1) + 1, generator=g) * 0.01).to(dev)
-    dense = torch.rand(batch, 13, generator=g).to(dev)
-    labels = (torch.rand(batch, generator=g) < 0.25).float().to(dev)
+    ls = LocalStep(ModelConfig(arch=ModelArch(arch)), batch, torch.device("cuda"))
 
-    def local_step() -> None:  # Trainer._forward_backward + _local_step, as bench.calibrate times it
-        p = gather_rows(rows, pos, DIM)
-        loss = F.binary_cross_entropy_with_logits(model(dense, p[..., :DIM], p[..., DIM]), labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        float(loss.detach())
-        i, s = sum_rows_grad(pos, p.grad)
-        sparse_adam_step(rows, i, s, 1e-3, 0.9, 0.999, 1e-8)
-        opt.step()
-        torch.cuda.synchronize()
+    def synced(fn):
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize()
+        return run
 
-    def fb() -> None:
-        p = gather_rows(rows, pos, DIM)
-        loss = F.binary_cross_entropy_with_logits(model(dense, p[..., :DIM], p[..., DIM]), labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        float(loss.detach())
-        torch.cuda.synchronize()
-
-    def sparse() -> None:
-        p = gather_rows(rows, pos, DIM)
-        i, s = sum_rows_grad(pos, p.detach())
-        sparse_adam_step(rows, i, s, 1e-3, 0.9, 0.999, 1e-8)
-        torch.cuda.synchronize()
-
-    def adam() -> None:
-        opt.step()
-        torch.cuda.synchronize()
-
-    parts = {"step": local_step, "fb": fb, "sparse": sparse, "adam": adam}
+    local_step = synced(ls.step)
+    parts = {"step": local_step, "fb": synced(ls.forward_backward), "sparse": synced(ls.sparse),
+             "adam": synced(ls.opt.step)}
     for _ in range(5):
         for fn in parts.values():
             fn()
@@ -92,7 +60,7 @@ def step_seconds(arch: str, batch: int, reps: int) -> tuple[dict[str, float], in
             times[name].append(time.perf_counter() - t0)
     out = {name: statistics.median(v) for name, v in times.items()}
     out["kernels"] = kernels_launched(local_step)
-    return out, int(torch.unique(pos).numel())
+    return out, int(torch.unique(ls.pos).numel())
 
 
 def kernels_launched(fn) -> float:
