@@ -4,7 +4,7 @@
 
 No torch and no MPI: the process holds what a rank's storage tier holds (its EmbeddingStore:
 an SSD shard read and written through the pread pool, a CPU cache, the key filter and the
-index's waiting entries), so that a memory cgroup of 192 MiB can hold two of them with a
+index's waiting entries), so that a memory cgroup of 256 MiB can hold two of them with a
 table ten times its limit. Each window reads (pull) the rank's rows for a batch of its keys,
 moves them (the push's new values, a function of the key and the pass) and writes them back,
 as a window does (the warm, the pull, the push); every pass touches each of the rank's N keys
@@ -34,7 +34,7 @@ from hvctr.storage import EmbeddingStore, shard_path
 
 BLOCK = 1 << 14  # candidate keys a block: about BLOCK / W of them this rank's
 WINDOW_BLOCKS = 2  # blocks a window: about 16k of a rank's keys at W = 2 (a small window: the
-# processes' own memory, not the table, must stay a small part of a 192 MiB limit)
+# processes' own memory, not the table, must stay a small part of a 256 MiB limit)
 
 
 def block_keys(block: int, rank: int, owner: np.ndarray) -> np.ndarray:

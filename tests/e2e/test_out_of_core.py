@@ -22,8 +22,8 @@ BENCHMARKS.md ("A table larger than memory") has the 16.7 GB run.
 The table ten times the limit is the storage tier's test
 (``test_storage_tier_with_a_table_ten_times_its_memory_cgroup``): two processes, one a rank,
 each driving its EmbeddingStore (shard, pread pool, cache, key filter, index entries in
-waiting) through training's windows without torch (tests/e2e/store_windows.py), inside a 192
-MiB group with 2.0 GB of shard files, checked against the mmap reference path run without a
+waiting) through training's windows without torch (tests/e2e/store_windows.py), inside a 256
+MiB group with 2.8 GB of shard files, checked against the mmap reference path run without a
 limit: what catches a storage path that maps the whole table, keeps its pages dirty, or grows
 with the table.
 
@@ -137,11 +137,15 @@ class MemoryGroup:
         raise AssertionError(f"cannot remove the test's memory cgroup {self.path}")
 
 
-# Two storage-tier processes hold 55-67 MiB of their own each (python, numpy, h5py: 21 MiB; the
-# key filter, the index entries in waiting, the 4 MiB cache, a window's rows and their copies):
-# at 128 MiB one of them was OOM-killed with 124 MiB of anon between them, so 192 MiB.
-STORE_LIMIT = 192 << 20
-STORE_KEYS = 3_800_000  # a rank's keys: two shard files of 1.0 GB, the table 10.1x STORE_LIMIT
+# Two storage-tier processes hold 55-73 MiB of their own each (python, numpy, h5py: 21 MiB; the
+# key filter and the index entries in waiting, about 6 bytes a key; the 4 MiB cache, a window's
+# rows and their copies): at 128 MiB one of them was OOM-killed with 124 MiB of anon between
+# them; at 192 MiB (3.8M keys a rank) one CI run of several was, with 154 MiB of anon between
+# them by the kernel's report. Measured without a limit (the group's anon polled every 0.2 s,
+# 2026-12-04): 117, 140 and 146 MiB at 1.9M, 3.8M and 5.0M keys a rank. So 256 MiB, and 5.2M
+# keys a rank keep the table 10x it.
+STORE_LIMIT = 256 << 20
+STORE_KEYS = 5_200_000  # a rank's keys: two shard files of 1.4 GB, the table 10.4x STORE_LIMIT
 
 
 def _run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
@@ -199,7 +203,7 @@ def test_out_of_core_training_in_a_memory_cgroup(ooc_data, tmp_path):
 
 
 def test_storage_tier_with_a_table_ten_times_its_memory_cgroup(tmp_path):
-    """Two ranks' storage tiers in a 192 MiB memory cgroup, their shard files together more
+    """Two ranks' storage tiers in a 256 MiB memory cgroup, their shard files together more
     than 10x the limit: no OOM kill, the group's peak at or under the limit, and every row
     bit-identical to the mmap reference path's run without a limit."""
     kind = _memory_controller_or_skip()
