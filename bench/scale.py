@@ -269,6 +269,40 @@ def _pool_row_rates(path: Path, size: int, seconds: int, writers: int) -> dict:
 # --- the job ---------------------------------------------------------------------------------
 
 
+# /sys/dev/block/MAJ:MIN/stat (Documentation/block/stat.rst): the counters this reads
+_BLOCK_FIELDS = ("reads", "read_merges", "read_sectors", "read_ms", "writes", "write_merges", "write_sectors",
+                 "write_ms", "in_flight", "busy_ms", "queue_ms")
+
+
+def block_stat(path: Path) -> dict | None:
+    """The I/O counters of the block device that holds ``path`` (its partition's, where it is
+    one), or None where the file system has none (tmpfs, overlay, NFS)."""
+    st = os.stat(path)
+    stat = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat")
+    try:
+        vals = [int(x) for x in stat.read_text().split()]
+    except (OSError, ValueError):
+        return None
+    return dict(zip(_BLOCK_FIELDS, vals)) | {"t": time.monotonic()}
+
+
+def device_use(before: dict | None, after: dict | None) -> dict:
+    """What the device did between two ``block_stat``s, every process on it counted (the job's
+    two ranks together, and anything else on the disk): reads a second of the span; reads a
+    second of the time it was busy; reads in flight on average (the read time summed over
+    requests over the span: the depth the device saw); bytes a read."""
+    if not before or not after:
+        return {}
+    span = max(after["t"] - before["t"], 1e-9)
+    d = {k: after[k] - before[k] for k in _BLOCK_FIELDS if k != "in_flight"}
+    return {"seconds": round(span, 1), "reads": d["reads"], "writes": d["writes"],
+            "reads_per_s": round(d["reads"] / span), "writes_per_s": round(d["writes"] / span),
+            "reads_per_busy_s": round(d["reads"] / max(d["busy_ms"] / 1e3, 1e-9)),
+            "busy": round(d["busy_ms"] / 1e3 / span, 3),
+            "reads_in_flight": round(d["read_ms"] / 1e3 / span, 2),
+            "bytes_a_read": round(512 * d["read_sectors"] / max(d["reads"], 1))}
+
+
 def _env() -> dict:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_mpi_yield_when_idle="1", OMPI_MCA_btl_vader_single_copy_mechanism="none",
@@ -347,7 +381,9 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: P
     # pass 1, a checkpoint (the base) at its end; pass 2 to the end, a checkpoint (a delta) there
     common = [f"--checkpoint.every_windows={steps_per_pass // cfg['k']}", "--checkpoint.compact_every=1000",
               "--train.epochs=2"]
+    disk0 = block_stat(work)
     t = _run(wrap(_train_cmd(data, run, cfg, common)), log, work)
+    disk = device_use(disk0, block_stat(work))
     summary = json.loads((run / "summary.json").read_text())
     text = (run / "logs" / "rank-00000.log").read_text(errors="replace") if (run / "logs" / "rank-00000.log").exists() else ""
     ckpt = _checkpoint_times(text)
@@ -394,6 +430,7 @@ def one_run(name: str, data: Path, work: Path, cfg: dict, cgroup: Cgroup, log: P
         # rank 0's shard traffic by cause (rows, index blocks, pool calls, bytes, seconds)
         "shard_traffic": summary.get("shard_traffic", {}),
         "memory": mem, "memory_resume": mem_resume, "memory_all": mem_all, "first_checkpoint": first,
+        "device_use": disk,  # the block device under the work directory, during training (both ranks)
     }
     shutil.rmtree(work / f"export-{name}", ignore_errors=True)
     shutil.rmtree(run, ignore_errors=True)
@@ -593,6 +630,19 @@ def report(res: dict) -> str:
         f"| cold rows + index blocks read /s inside all shard time (rank 0) | "
         f"{(a['rows_read'] + a['index_blocks_read']) / max(a['shard_s'], 1e-9):,.0f} | "
         f"{(b['rows_read'] + b['index_blocks_read']) / max(b['shard_s'], 1e-9):,.0f} | |",
+    ]
+    ua, ub = a.get("device_use") or {}, b.get("device_use") or {}
+    if ua and ub:  # runs before 2026-12-04 did not count the device
+        lines += [
+            f"| the device during training (both ranks): reads/s; reads/s of its busy time ({ua['busy']:.0%} / "
+            f"{ub['busy']:.0%} busy) | {ua['reads_per_s']:,} ; {ua['reads_per_busy_s']:,} | "
+            f"{ub['reads_per_s']:,} ; {ub['reads_per_busy_s']:,} | device best {best:,}: "
+            f"**{ub['reads_per_busy_s'] / best:.2f}x** of its busy time |",
+            f"| the device: reads in flight on average (the depth it saw); bytes a read; writes/s | "
+            f"{ua['reads_in_flight']:.1f} ; {ua['bytes_a_read']:,} ; {ua['writes_per_s']:,} | "
+            f"{ub['reads_in_flight']:.1f} ; {ub['bytes_a_read']:,} ; {ub['writes_per_s']:,} | |",
+        ]
+    lines += [
         f"| peak memory of the cgroup, page cache counted (training / with resume and export) | "
         f"{a['memory'].get('peak', 0) / 2**30:,.2f} / {a['memory_all'].get('peak', 0) / 2**30:,.2f} GiB | "
         f"{b['memory'].get('peak', 0) / 2**30:,.2f} / {b['memory_all'].get('peak', 0) / 2**30:,.2f} GiB | "

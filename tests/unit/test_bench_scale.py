@@ -46,3 +46,37 @@ def test_the_report_renders_and_judges_cold_reads_from_the_warm_and_the_pull():
     assert "| rows read by the warm and the pull | 375,000 | 375,000 | 20,000 |" in text  # 100 a window, 2 passes of 100 windows
     assert "| rows written back (evicted or written through) | 1,500,000 | 1,500,000 | 12,000 |" in text
     assert "storage.write_behind = on" in text and "sha256-equal" in text and "- a note" in text
+
+
+def test_the_device_counters_give_the_depth_the_device_saw(tmp_path):
+    """block_stat reads the counters of the device under a path (None without one); device_use
+    turns two of them into reads a second, of its busy time, and reads in flight on average;
+    the report shows them for both runs."""
+    from bench.scale import _BLOCK_FIELDS, block_stat, device_use
+
+    got = block_stat(tmp_path)
+    assert got is None or set(_BLOCK_FIELDS) <= set(got)
+    before = dict.fromkeys(_BLOCK_FIELDS, 0) | {"t": 100.0}
+    # 10 s: 400k reads of 8 sectors that spent 60 s in the device together, busy 8 s of the 10
+    after = before | {"reads": 400_000, "read_sectors": 3_200_000, "read_ms": 60_000, "busy_ms": 8_000,
+                      "writes": 50_000, "t": 110.0}
+    use = device_use(before, after)
+    assert use["reads_per_s"] == 40_000 and use["reads_per_busy_s"] == 50_000 and use["busy"] == 0.8
+    assert use["reads_in_flight"] == 6.0 and use["bytes_a_read"] == 4096 and use["writes_per_s"] == 5_000
+    assert device_use(None, after) == {}
+
+
+def test_the_report_shows_the_device_seen_from_the_block_layer():
+    from bench.scale import _BLOCK_FIELDS, device_use
+
+    before = dict.fromkeys(_BLOCK_FIELDS, 0) | {"t": 0.0}
+    use = device_use(before, before | {"reads": 450_000, "read_sectors": 3_600_000, "read_ms": 90_000,
+                                       "busy_ms": 10_000, "t": 10.0})
+    res = {"config": {"rows": 1000, "unique_fields": 8, "batch": 2048, "k": 4, "cache_bytes": 1 << 25,
+                      "rows_per_rank": 5000, "limit": 2 << 30, "kind": "v1"},
+           "device": {"tool": "fio", "iops_depth1": 10000, "iops_depth32": 90000},
+           "keys": 8000, "unlimited": _run(10000.0, {"warm": 10.0, "pull": 5.0}, 300000) | {"device_use": use},
+           "limited": _run(8000.0, {"warm": 20.0, "pull": 10.0}, 300000) | {"device_use": use}}
+    text = report(res)
+    assert "device best 90,000: **0.50x** of its busy time" in text  # 45k reads/s, busy all 10 s
+    assert "| 9.0 ; 4,096 ; 0 |" in text  # 90 s of reads in flight over 10 s
