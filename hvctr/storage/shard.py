@@ -265,7 +265,7 @@ class Shard:
       written later by ``write_rows``; ShardFullError past ``capacity`` rows)
     - ``read_rows(pos) -> float32 [n, width]``, ``write_rows(pos, keys, rows)``
     - ``read_meta(start, stop)``, ``save_state()``, ``close()``
-    Not thread-safe: EmbeddingStore serialises access.
+    Not thread-safe: EmbeddingStore serialises access (``read_rows_detached`` aside).
     """
 
     def __init__(self, path: str | Path, writable: bool = True, io: str = "pread",
@@ -618,8 +618,10 @@ class Shard:
 
     # --- rows --------------------------------------------------------------------------
 
-    def _io_read(self, dataset: str, item_bytes: int, pos: np.ndarray, out: np.ndarray) -> None:
-        diskio.read(self._read_fd, self.path, self._off[dataset], item_bytes, pos, out, self.io_threads, self.io_stats)
+    def _io_read(self, dataset: str, item_bytes: int, pos: np.ndarray, out: np.ndarray,
+                 stats: diskio.IOStats | None = None) -> None:
+        diskio.read(self._read_fd, self.path, self._off[dataset], item_bytes, pos, out, self.io_threads,
+                    self.io_stats if stats is None else stats)
 
     def _io_write(self, dataset: str, item_bytes: int, pos: np.ndarray, data: np.ndarray) -> int:
         diskio.write(self._fd, self.path, self._off[dataset], item_bytes, pos, data, self.io_threads,
@@ -629,6 +631,29 @@ class Shard:
     def read_rows(self, pos: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Rows at positions ``pos`` (any order), read in sorted order (pread: by the pool);
         into ``out`` (float32 [n, width], C order) where given."""
+        out = self._read_rows(pos, out, self.io_stats)
+        self.bytes_read += out.nbytes
+        return out
+
+    def read_rows_detached(self, pos: np.ndarray) -> tuple[np.ndarray, diskio.IOStats]:
+        """``read_rows`` for a thread that does not hold the shard: it changes nothing another
+        call reads or writes (the pool's counters of this read come back apart), so it may run
+        beside any call but ``close``. Rows written meanwhile may read old or new: the caller
+        fences them (EmbeddingStore.warm). ``credit_read`` adds the counters to the shard's."""
+        stats = diskio.IOStats()
+        return self._read_rows(pos, None, stats), stats
+
+    def credit_read(self, stats: diskio.IOStats, row_bytes: int, seconds: float) -> None:
+        """Counts a detached read (its pool counters, the rows' bytes, its time) for the cause in
+        force (``attributed``), as if it had been read there."""
+        for name in stats.__slots__:
+            setattr(self.io_stats, name, getattr(self.io_stats, name) + getattr(stats, name))
+        self.bytes_read += row_bytes
+        if self._causes:
+            self._settle()
+            self.by_cause[self._causes[-1]]["seconds"] += seconds
+
+    def _read_rows(self, pos: np.ndarray, out: np.ndarray | None, stats: diskio.IOStats) -> np.ndarray:
         pos = np.asarray(pos, dtype=np.int64)
         order = np.argsort(pos, kind="stable")
         if out is None:
@@ -639,16 +664,15 @@ class Shard:
             sp = pos[order]
             if strictly_increasing(sp):
                 rows = np.empty_like(out)
-                self._io_read("rows", self.layout.row_bytes, sp, rows)
+                self._io_read("rows", self.layout.row_bytes, sp, rows, stats)
                 out[order] = rows
             else:  # a position asked twice: read it once
                 uniq, inv = np.unique(sp, return_inverse=True)
                 rows = np.empty((uniq.shape[0], self.layout.width), dtype=np.float32)
-                self._io_read("rows", self.layout.row_bytes, uniq, rows)
+                self._io_read("rows", self.layout.row_bytes, uniq, rows, stats)
                 out[order] = rows[inv]
         else:
             out[order] = self._rows[pos[order]]
-        self.bytes_read += out.nbytes
         return out
 
     def write_rows(self, pos: np.ndarray, keys: np.ndarray, rows: np.ndarray,

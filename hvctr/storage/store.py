@@ -27,6 +27,7 @@ from hvctr import memcg
 from hvctr.config import StorageConfig, WriteBehind
 from hvctr.formats import default_bucket_owner, mix64, owner_of
 from hvctr.kernels import unique_in_order
+from hvctr.kernels.diskio import IOStats
 from hvctr.storage.cache import RowCache
 from hvctr.formats import RowLayout, default_row, init_rows
 from hvctr.storage.shard import Shard, strictly_increasing
@@ -102,6 +103,20 @@ class AdmissionSketch:
         return est
 
 
+class _Fence:
+    """The shard positions written while one of warm()'s reads ran without the lock."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.written: list[np.ndarray] = []
+
+    def wrote(self, pos: np.ndarray) -> np.ndarray:
+        """Which of ``pos`` were written meanwhile (bool)."""
+        if not self.written:
+            return np.zeros(pos.shape[0], dtype=bool)
+        return np.isin(pos, np.concatenate(self.written))
+
+
 class EmbeddingStore:
     """One rank's part of the embedding table. See the module docstring for the semantics.
 
@@ -137,9 +152,12 @@ class EmbeddingStore:
         self.admission = AdmissionSketch(cfg.admit_sketch_slots) if cfg.admit_after > 1 else None
         self._default = default_row(self.layout)
         self._lock = threading.RLock()
+        self._reads_done = threading.Condition(self._lock)  # warm()'s reads outside the lock: none left
+        self._fences: list[_Fence] = []  # warm()'s reads in flight outside the lock
+        self._epoch = 0  # bumped where rows move or the shard closes: a read in flight is dropped whole
         self.counters = dict.fromkeys(
             ("created", "unadmitted_reads", "dropped_writes", "writeback_rows", "writethrough_rows",
-             "warmed_rows", "readonly_init_rows"), 0)
+             "warmed_rows", "fenced_warm_rows", "readonly_init_rows"), 0)
         self.shard_s = 0.0  # seconds inside shard calls (index probes, row reads and writes)
         self.total_s = 0.0  # seconds inside store methods
         self._thread_times = threading.local()  # the same, per calling thread (exchange timing)
@@ -170,6 +188,32 @@ class EmbeddingStore:
             else:
                 self.total_s += dt
                 tl.total_s = getattr(tl, "total_s", 0.0) + dt
+
+    def _credit_time(self, dt: float) -> None:
+        """Time a shard call took outside ``_timed`` (warm()'s reads without the lock)."""
+        tl = self._thread_times
+        self.shard_s += dt
+        self.total_s += dt
+        tl.shard_s = getattr(tl, "shard_s", 0.0) + dt
+        tl.total_s = getattr(tl, "total_s", 0.0) + dt
+
+    def _open_fence(self) -> "_Fence":
+        """Starts recording the shard positions written from now on (the lock held)."""
+        fence = _Fence(self._epoch)
+        self._fences.append(fence)
+        return fence
+
+    def _close_fence(self, fence: "_Fence") -> None:
+        self._fences.remove(fence)
+        if not self._fences:
+            self._reads_done.notify_all()
+
+    def _quiesce(self) -> None:
+        """Waits for warm()'s reads outside the lock, and drops what they read (the lock held):
+        before rows move (compact), are loaded, or the shard closes."""
+        while self._fences:
+            self._reads_done.wait()
+        self._epoch += 1
 
     def thread_times(self) -> tuple[float, float]:
         """(seconds in store methods, of which in shard calls) spent by the calling thread."""
@@ -263,6 +307,8 @@ class EmbeddingStore:
     def _write_shard(self, pos: np.ndarray, keys: np.ndarray, rows: np.ndarray, cause: str = "writeback") -> None:
         """Rows to the shard: evicted dirty rows and rows the cache could not take
         ("writeback"), or a flush's dirty rows ("flush")."""
+        for fence in self._fences:
+            fence.written.append(np.array(pos, dtype=np.int64))
         with self._timed(shard=True), self.shard.attributed(cause):
             self.shard.write_rows(pos, keys, rows)
 
@@ -316,25 +362,56 @@ class EmbeddingStore:
         half of the cache's entries held at a time: where a window's rows outnumber that, the
         rest are left to the read, which would otherwise read again the rows this warm's later
         chunks and the push before the read evicted.
+
+        A chunk's rows are read with the lock released, so that the training thread's pull,
+        push and write-back run beside the reads rather than wait for them (issue 26: the
+        device then has both threads' requests in flight). A row written to the shard while it
+        was being read may have been read old: it is not cached (``_Fence``), nor is a key the
+        cache took meanwhile (the cache's copy is newer or the same).
         """
         keys = _unique_keys(keys)
         for start in range(0, keys.shape[0], _WARM_CHUNK):
             chunk = keys[start:start + _WARM_CHUNK]
             with self._lock, self._timed(), self.shard.attributed("warm"):
-                room = self.cache.capacity // 2 - self.cache.n_held  # rows it may hold for the read
-                if room <= 0:
+                if self.cache.capacity // 2 - self.cache.n_held <= 0:  # no room to hold rows for the read
                     return
                 ent = self.cache.lookup(chunk, "pin")
-                miss = chunk[ent < 0]
-                miss = miss[self.shard.may_hold(miss)][:room]  # never past what the cache holds
-                if miss.size == 0:
+                at = np.flatnonzero(ent < 0)  # the chunk's keys to read: not cached, maybe on the shard
+                at = at[self.shard.may_hold(chunk[at])][:self.cache.capacity // 2 - self.cache.n_held]
+                if at.size == 0:
                     continue
                 with self._timed(shard=True):
-                    pos = self.shard.lookup(miss)
-                    found = np.flatnonzero(pos >= 0)
-                    rows = self.shard.read_rows(pos[found])
-                n_in = self._cache_insert(miss[found], rows, pos[found], False, hold=True)
-                self.counters["warmed_rows"] += n_in
+                    pos = self.shard.lookup(chunk[at])
+                found = np.flatnonzero(pos >= 0)
+                if found.size == 0:
+                    continue
+                at, pos = at[found], pos[found]
+                fence = self._open_fence()
+            try:
+                t0 = time.perf_counter()
+                rows, io = self.shard.read_rows_detached(pos)  # the lock is free meanwhile
+                dt = time.perf_counter() - t0
+            finally:
+                with self._lock:
+                    self._close_fence(fence)
+            with self._lock:
+                self._credit_time(dt)
+                if fence.epoch != self._epoch:  # the shard was closed, compacted or loaded meanwhile
+                    return
+                self._take_warmed(chunk, at, pos, rows, fence, io, dt)
+
+    def _take_warmed(self, chunk: np.ndarray, at: np.ndarray, pos: np.ndarray, rows: np.ndarray, fence: _Fence,
+                     io: IOStats, dt: float) -> None:
+        """warm()'s rows of ``chunk[at]`` (read at ``pos`` without the lock) into the cache, held,
+        but for those written meanwhile and those the cache took meanwhile."""
+        with self._timed(), self.shard.attributed("warm"):
+            self.shard.credit_read(io, rows.nbytes, dt)
+            ent = self.cache.lookup(chunk, "pin")  # the chunk's cached rows kept from the insert's evictions
+            keep = (ent[at] < 0) & ~fence.wrote(pos)
+            self.counters["fenced_warm_rows"] += int(np.count_nonzero(ent[at] < 0)) - int(np.count_nonzero(keep))
+            keep = np.flatnonzero(keep)[:max(self.cache.capacity // 2 - self.cache.n_held, 0)]
+            n_in = self._cache_insert(chunk[at[keep]], rows[keep], pos[keep], False, hold=True)
+            self.counters["warmed_rows"] += n_in
 
     def read_only(self, keys: np.ndarray) -> np.ndarray:
         """Rows for evaluation: nothing is inserted, counted or evicted.
@@ -409,6 +486,7 @@ class EmbeddingStore:
         if self.cfg.ttl_passes == 0:
             return 0
         with self._lock, self.shard.attributed("compact"):
+            self._quiesce()
             self.flush()
             self.cache.clear()
             old, tmp = self.shard, self.path + ".compact"
@@ -494,6 +572,7 @@ class EmbeddingStore:
             raise ValueError(f"load_rows into {self.path}: {int(foreign.sum())} keys (e.g. {int(keys[foreign][0])}) "
                              f"belong to other ranks under this shard's bucket table")
         with self._lock, self._timed(), self.shard.attributed("load"):
+            self._quiesce()
             ent = self.cache.lookup(keys, "peek")
             self.cache.discard(ent[ent >= 0])
             with self._timed(shard=True):
@@ -549,6 +628,7 @@ class EmbeddingStore:
         with self._lock:
             if self.shard is None:
                 return
+            self._quiesce()
             self.flush()
             self.shard.close()
             self.shard = None

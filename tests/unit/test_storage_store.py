@@ -273,3 +273,35 @@ def test_write_behind_follows_the_memory_limit_unless_set(tmp_path, monkeypatch)
             got[tag] = store.read_only(keys)
     for tag in got:
         np.testing.assert_array_equal(got[tag], got["auto-free"])
+
+
+def test_a_row_written_while_the_warm_reads_it_is_not_cached_old(tmp_path):
+    """warm() reads with the lock released (issue 26): a row the training thread writes back to
+    the shard meanwhile may have been read old. Here the write-back lands between the warm's read
+    and its insert: the old copy must not reach the cache, and the read sees the new row."""
+    cache_rows = 64
+    cfg = _cfg(cache_rows)
+    uni = _universe()
+    store = EmbeddingStore(cfg, tmp_path / "s.h5")
+    want = np.random.default_rng(3).standard_normal((N_KEYS, LAYOUT.width)).astype(np.float32)
+    for start in range(0, N_KEYS, 500):
+        store.write(uni[start:start + 500], want[start:start + 500])
+    store.flush()
+    store.cache.clear()
+    window, other = np.arange(0, 20), np.arange(1000, 1400)
+    detached = store.shard.read_rows_detached
+
+    def read_then_train(pos):
+        out = detached(pos)  # the rows as they are now ...
+        want[window[:10]] += 1  # ... then the training thread pushes half of them and evicts them
+        store.write(uni[window[:10]], want[window[:10]])
+        store.write(uni[other], want[other])
+        assert (store.cache.lookup(uni[window[:10]], "peek") < 0).all()  # written back, not cached
+        return out
+
+    store.shard.read_rows_detached = read_then_train
+    store.warm(uni[window])
+    np.testing.assert_array_equal(store.read(uni[window]), want[window])
+    assert store.counters["fenced_warm_rows"] == 10
+    assert store.counters["warmed_rows"] == 10  # the other half, unchanged
+    store.close()
