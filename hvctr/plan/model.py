@@ -48,7 +48,8 @@ from hvctr.plan.keyfreq import KeyCurve
 from hvctr.plan.rates import Rates
 from hvctr.storage.cache import entries_for_budget
 from hvctr.formats import RowLayout
-from hvctr.storage.shard import INDEX_DTYPE, META_DTYPE, PENDING_PER_BLOCK, memory_bytes, num_slots_for
+from hvctr.storage.shard import (INDEX_DTYPE, META_DTYPE, PENDING_PER_BLOCK, memory_bytes, num_slots_for,
+                                 recent_positions_for)
 
 KEY_BYTES = 8
 INDEX_BLOCKS_PER_ROW_READ = 1.0  # a known key's probe reads its home block (linear probing rarely leaves it)
@@ -230,7 +231,8 @@ def sparse_bytes_per_window(u: float, world_size: int, dim: int, mode: MergeMode
     return out
 
 
-def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries: float) -> dict[str, float]:
+def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries: float,
+                             recent_entries: float = 0.0) -> dict[str, float]:
     """What one owner's shard does in a window (hvctr.storage.store; the run summary's
     shard_traffic counts the same by cause), rows and 4 KiB index blocks:
 
@@ -244,15 +246,19 @@ def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries
       positions one after another (coalesced: written at the flush's rate);
     - push_index_blocks: the push's lookups of rows the pull read but the cache did not keep to
       the push: the warm holds at most half the cache for the pull, and past that the LFU keeps
-      older, hotter rows in place of the window's fresh ones;
+      older, hotter rows in place of the window's fresh ones; the shard's recent positions
+      (``recent_entries`` a generation, hvctr.storage.shard.RecentPositions) answer them where
+      they hold the lookups since the window's warm: about two windows' cold rows;
     - index_blocks_written: new rows' index entries, which wait in memory until a block has
       about PENDING_PER_BLOCK of them, then go to the file a block at a time (read, changed,
       written).
     """
     cold = max(u_o - new_o, 0.0) * (1.0 - hit)
     beyond = max(u_o - cache_entries / 2, 0.0) / u_o if u_o else 0.0
+    kept = min(1.0, recent_entries / (2.0 * cold)) if cold else 1.0
     return {"rows_read": cold, "index_blocks_read": cold * INDEX_BLOCKS_PER_ROW_READ, "rows_written": cold,
-            "new_rows_written": new_o * (1.0 - hit), "push_index_blocks": cold * beyond * INDEX_BLOCKS_PER_ROW_READ,
+            "new_rows_written": new_o * (1.0 - hit),
+            "push_index_blocks": cold * beyond * (1.0 - kept) * INDEX_BLOCKS_PER_ROW_READ,
             "index_blocks_written": new_o / PENDING_PER_BLOCK}
 
 
@@ -368,7 +374,7 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     f = (W - 1) / W
     u, u_b = curve(k * B), curve(B)
     u_o = curve(W * k * B) / W
-    traffic = shard_traffic_per_window(u_o, new_o, hit, cache_entries)
+    traffic = shard_traffic_per_window(u_o, new_o, hit, cache_entries, recent_positions_for(job.cpu_cache_bytes))
     stretch = c.cpu if io.cpu else 1.0  # page-cache reads are CPU work; the device's are not
     # the warm's and the pull's reads of rows the cache lacks, each with its index block
     shard_read = stretch * (traffic["rows_read"] / io.read + traffic["index_blocks_read"] / io.index)
@@ -604,10 +610,10 @@ def _stretch(job: Job, node: NodeInfo, rates: Rates) -> float:
 
 def _host_bytes_per_rank(job: Job, u: float, params: int) -> float:
     """Cache budget + working set and its messages + two windows of data + dense state + the
-    shard's key filter and waiting index entries + base."""
+    shard's key filter, waiting index entries and recent positions + base."""
     row = RowLayout(job.dim).row_bytes
     window_data = 2 * job.k * job.batch_size_per_rank * (SAMPLE_BYTES + 8 * job.model.num_fields)
-    shard = memory_bytes(rows_per_rank(job.keys, job.world_size), job.max_load_factor)
+    shard = memory_bytes(rows_per_rank(job.keys, job.world_size), job.max_load_factor, job.cpu_cache_bytes)
     return job.cpu_cache_bytes + 3 * u * row + window_data + 8 * params * 4 + shard + BASE_RANK_BYTES
 
 

@@ -81,6 +81,10 @@ _INDEX_CHUNK = 4096  # keys probed per round of index block reads (at most 16 Mi
 # the index: 61 MiB for a shard of 33M rows), at most 2M (96 MiB), then go to the file together.
 PENDING_PER_BLOCK = 8
 _PENDING_MAX = 1 << 21
+# The positions the file's index gave lately, kept in memory (RecentPositions): two generations
+# of half-full tables, 64 bytes a kept entry; EmbeddingStore gives them a quarter of its cache's
+# bytes beside the cache (recent_positions_for).
+RECENT_POSITION_BYTES = 2 * 2 * 16
 # What ``Shard.by_cause`` counts for each cause of shard traffic: rows read (read_rows,
 # read_range), index blocks read, and the pool's system calls and bytes. A write of rows that
 # share pages with other rows reads those pages first: write_calls counts those preads too.
@@ -116,6 +120,58 @@ class KeyFilter:
         return out
 
 
+class RecentPositions:
+    """Row positions the file's index gave lately (pread path), in memory: a window's push
+    finds the rows its warm and its pull looked up, and a key that comes back within a few
+    windows is found without its 4 KiB index block read again (issue 26: at a table 10x the
+    memory, index blocks were most of the bytes the shard read). A shard's rows never move
+    (they are appended; compaction writes a new shard), so a position once found stays right.
+
+    Two generations of at most ``size`` entries: when the newer one is full it becomes the
+    older, the older is emptied and refilled; a key found in the older is carried into the newer,
+    so keys that keep coming back stay while those of one window age out."""
+
+    def __init__(self, size: int, salt: np.uint64) -> None:
+        self.size = max(int(size), 1)
+        self.salt = salt
+        self.new = self._empty(None)
+        self.old: np.ndarray | None = None
+        self.n = 0
+        self.hits = 0
+
+    def _empty(self, table: np.ndarray | None) -> np.ndarray:
+        if table is None:
+            table = np.empty(2 * self.size, dtype=INDEX_DTYPE)
+        table["key"], table["row"] = EMPTY_KEY, -1
+        return table
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's position, -1 where it is not kept; keys found in the older generation move
+        into the newer."""
+        lib = native.lib()
+        pos = _probe.find_values(lib, self.new, keys, self.salt, empty_by_key=True)
+        if self.old is not None:
+            miss = np.flatnonzero(pos < 0)
+            got = _probe.find_values(lib, self.old, keys[miss], self.salt, empty_by_key=True)
+            back = miss[got >= 0]
+            pos[back] = got[got >= 0]
+            self.add(keys[back], pos[back])
+        self.hits += int(np.count_nonzero(pos >= 0))
+        return pos
+
+    def add(self, keys: np.ndarray, pos: np.ndarray) -> None:
+        """Keeps key -> position for keys the newer generation lacks (unique)."""
+        n = keys.shape[0]
+        if n > self.size:
+            keys, pos, n = keys[-self.size:], pos[-self.size:], self.size
+        if self.n + n > self.size:
+            self.old, self.new = self.new, self._empty(self.old)
+            self.n = 0
+        if n:
+            _probe.claim_slots(native.lib(), self.new, keys, pos, self.salt, empty_by_key=True)
+            self.n += n
+
+
 def slot_seed_of(seed: int) -> int:
     """The slot hash's seed, derived from storage.seed (distinct from the init stream)."""
     return int(mix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _SLOT_SALT))
@@ -130,11 +186,20 @@ def pending_capacity(capacity: int, num_slots: int) -> int:
     return min(capacity, _PENDING_MAX, max(num_slots // SLOTS_PER_BLOCK * PENDING_PER_BLOCK, 4096))
 
 
-def memory_bytes(capacity: int, max_load_factor: float) -> int:
+def memory_bytes(capacity: int, max_load_factor: float, cache_bytes: int = 0) -> int:
     """A pread-path shard's own memory: its key filter (10 bits a row of capacity) and its new
-    index entries in waiting (an array of twice their capacity, and the batches they came in)."""
+    index entries in waiting (an array of twice their capacity, and the batches they came in),
+    and the positions its index gave lately (RecentPositions, sized from the cache's bytes)."""
     pending = pending_capacity(capacity, num_slots_for(capacity, max_load_factor))
-    return (max(capacity * 10, 1 << 16) + 7) // 8 + 3 * pending * INDEX_DTYPE.itemsize
+    return ((max(capacity * 10, 1 << 16) + 7) // 8 + 3 * pending * INDEX_DTYPE.itemsize
+            + recent_positions_for(cache_bytes) * RECENT_POSITION_BYTES)
+
+
+def recent_positions_for(cache_bytes: int) -> int:
+    """The entries of each generation of a store's RecentPositions: a quarter of its cache's
+    bytes beside the cache (storage.cpu_cache_bytes), at least 4096: 131k at a 32 MiB cache,
+    about two windows' cold keys of a rank at batch 2048, k = 4 (issue 26's 10x run)."""
+    return max(int(cache_bytes) // 4 // RECENT_POSITION_BYTES, 4096)
 
 
 def _reserve_and_clear_index(path: str, index_offset: int, num_slots: int) -> None:
@@ -269,7 +334,8 @@ class Shard:
     """
 
     def __init__(self, path: str | Path, writable: bool = True, io: str = "pread",
-                 io_threads: int = diskio.DEFAULT_THREADS, write_behind: bool = True) -> None:
+                 io_threads: int = diskio.DEFAULT_THREADS, write_behind: bool = True,
+                 recent_positions: int = 0) -> None:
         self.path = str(path)
         self.write_behind = write_behind  # pread path: writes flushed and their pages dropped
         if io not in SHARD_IO:
@@ -340,8 +406,11 @@ class Shard:
         self._pending: np.ndarray | None = None
         self._pending_parts: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending_n = 0
+        self.recent: RecentPositions | None = None
         if self.io == "pread":
             self.key_filter = KeyFilter(self.capacity)
+            if recent_positions:
+                self.recent = RecentPositions(recent_positions, self.slot_seed)
             with self.attributed("open"):
                 for start in range(0, self.n_rows, 1 << 20):
                     meta = self.read_meta(start, start + (1 << 20))
@@ -389,7 +458,7 @@ class Shard:
     def create(cls, path: str | Path, *, dim: int, capacity: int, world_size: int, rank: int,
                bucket_owner: np.ndarray, seed: int, init_scale: float,
                max_load_factor: float, io: str = "pread", io_threads: int = diskio.DEFAULT_THREADS,
-               write_behind: bool = True) -> "Shard":
+               write_behind: bool = True, recent_positions: int = 0) -> "Shard":
         """Writes an empty shard under a temporary name, allocates it fully, renames it.
 
         HDF5 writes only the skeleton (attributes, the bucket table, dataset headers: KiBs);
@@ -434,12 +503,13 @@ class Shard:
                              f"{capacity} rows and their index): {e.strerror or e}; {remedy(e, Path(path).parent)}, "
                              f"point storage.shard_dir at another disk or lower storage.rows_per_rank") from None
         os.replace(tmp, path)
-        return cls(path, io=io, io_threads=io_threads, write_behind=write_behind)
+        return cls(path, io=io, io_threads=io_threads, write_behind=write_behind, recent_positions=recent_positions)
 
     @classmethod
     def open(cls, path: str | Path, writable: bool = True, io: str = "pread",
-             io_threads: int = diskio.DEFAULT_THREADS, write_behind: bool = True) -> "Shard":
-        return cls(path, writable, io, io_threads, write_behind)
+             io_threads: int = diskio.DEFAULT_THREADS, write_behind: bool = True,
+             recent_positions: int = 0) -> "Shard":
+        return cls(path, writable, io, io_threads, write_behind, recent_positions)
 
     # --- index -------------------------------------------------------------------------
 
@@ -462,9 +532,15 @@ class Shard:
             else:
                 pos = np.full(keys.shape[0], -1, dtype=np.int64)
             rest = np.flatnonzero(pos < 0)
-            maybe = rest[self.key_filter.may_hold(keys[rest])]
-            pos[maybe] = self._probe_blocks(keys[maybe])
-            self.filtered_lookups += rest.shape[0] - maybe.shape[0]
+            rest = rest[self.key_filter.may_hold(keys[rest])]
+            self.filtered_lookups += keys.shape[0] - np.count_nonzero(pos >= 0) - rest.shape[0]
+            if self.recent is not None:
+                pos[rest] = self.recent.find(keys[rest])
+                rest = rest[pos[rest] < 0]
+            pos[rest] = self._probe_blocks(keys[rest])
+            if self.recent is not None:
+                found = rest[pos[rest] >= 0]
+                self.recent.add(keys[found], pos[found])
             return pos
         lib = _probe.native_table(self._index)
         if lib is not None:

@@ -30,7 +30,7 @@ from hvctr.kernels import unique_in_order
 from hvctr.kernels.diskio import IOStats
 from hvctr.storage.cache import RowCache
 from hvctr.formats import RowLayout, default_row, init_rows
-from hvctr.storage.shard import Shard, strictly_increasing
+from hvctr.storage.shard import Shard, recent_positions_for, strictly_increasing
 
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
 _FLUSH_CHUNK_BYTES = 64 << 20  # rows written per step of flush()
@@ -163,7 +163,8 @@ class EmbeddingStore:
         self._thread_times = threading.local()  # the same, per calling thread (exchange timing)
 
     def _io(self) -> dict:
-        return {"io": self.cfg.shard_io.value, "io_threads": self.cfg.io_threads, "write_behind": self.write_behind}
+        return {"io": self.cfg.shard_io.value, "io_threads": self.cfg.io_threads, "write_behind": self.write_behind,
+                "recent_positions": recent_positions_for(self.cfg.cpu_cache_bytes)}
 
     def _check_matches(self, rank: int, world_size: int) -> None:
         s = self.shard
@@ -599,6 +600,7 @@ class EmbeddingStore:
             **{f"shard_io_{k}": v for k, v in s.io_stats.as_dict().items()},
             "shard_index_blocks_read": s.index_blocks_read,
             "shard_filtered_lookups": s.filtered_lookups,
+            "shard_recent_position_hits": s.recent.hits if s.recent is not None else 0,
             "store_s": self.total_s, "shard_s": self.shard_s, "cache_s": self.total_s - self.shard_s,
             **self.counters,
         }

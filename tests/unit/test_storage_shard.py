@@ -294,6 +294,34 @@ def test_the_key_filter_skips_index_reads_of_new_keys_and_never_hides_a_stored_o
     reopened.close()
 
 
+def test_recent_positions_spare_the_index_reads_of_keys_looked_up_lately(tmp_path, io_path):
+    # A window's push looks up the keys its warm and pull looked up: from memory, not the index
+    # blocks again (issue 26). Two generations of 1000: the answers stay right past them.
+    if io_path == "mmap":
+        pytest.skip("the pread path's index")
+    path = tmp_path / "s.h5"
+    shard = _create(path, capacity=6000)
+    keys = _keys(5000, seed=3)
+    pos = shard.insert(keys)
+    shard.close()  # the entries reach the file's index
+    shard = Shard.open(path, io="pread", recent_positions=1000)
+    blocks = shard.index_blocks_read
+    np.testing.assert_array_equal(shard.lookup(keys[:800]), pos[:800])
+    assert shard.index_blocks_read > blocks
+    blocks = shard.index_blocks_read
+    np.testing.assert_array_equal(shard.lookup(keys[:800][::-1]), pos[:800][::-1])  # the same keys again
+    assert shard.index_blocks_read == blocks and shard.recent.hits == 800
+    for start in range(800, 5000, 700):  # past both generations: rotated, never wrong
+        np.testing.assert_array_equal(shard.lookup(keys[start:start + 700]), pos[start:start + 700])
+        np.testing.assert_array_equal(shard.lookup(keys[:300]), pos[:300])  # kept: carried into the newer
+    blocks = shard.index_blocks_read
+    np.testing.assert_array_equal(shard.lookup(keys[:300]), pos[:300])
+    assert shard.index_blocks_read == blocks
+    np.testing.assert_array_equal(shard.lookup(keys), pos)
+    assert (shard.lookup(_keys(500, seed=99)) == -1).all()
+    shard.close()
+
+
 def test_a_writer_killed_with_entries_in_memory_leaves_a_shard_that_reopens_whole(tmp_path, io_path):
     # The pread path keeps new index entries in memory until a flush; a writer that dies first
     # leaves rows in row_meta that the file's index lacks: reopening it for writing indexes them.
