@@ -364,6 +364,10 @@ class EmbeddingStore:
         rest are left to the read, which would otherwise read again the rows this warm's later
         chunks and the push before the read evicted.
 
+        Past the rows it may hold, it looks up the positions of the rest (as many as the
+        shard's RecentPositions keep in half a generation): the read then reads their rows
+        without reading their index blocks on the training thread's path.
+
         A chunk's rows are read with the lock released, so that the training thread's pull,
         push and write-back run beside the reads rather than wait for them (issue 26: the
         device then has both threads' requests in flight). A row written to the shard while it
@@ -371,18 +375,25 @@ class EmbeddingStore:
         cache took meanwhile (the cache's copy is newer or the same).
         """
         keys = _unique_keys(keys)
+        recent = self.shard.recent
+        ahead = recent.size // 2 if recent is not None else 0  # positions it may look up past the rows it holds
         for start in range(0, keys.shape[0], _WARM_CHUNK):
             chunk = keys[start:start + _WARM_CHUNK]
             with self._lock, self._timed(), self.shard.attributed("warm"):
-                if self.cache.capacity // 2 - self.cache.n_held <= 0:  # no room to hold rows for the read
+                room = max(self.cache.capacity // 2 - self.cache.n_held, 0)  # rows it may hold for the read
+                if room == 0 and ahead == 0:
                     return
                 ent = self.cache.lookup(chunk, "pin")
                 at = np.flatnonzero(ent < 0)  # the chunk's keys to read: not cached, maybe on the shard
-                at = at[self.shard.may_hold(chunk[at])][:self.cache.capacity // 2 - self.cache.n_held]
+                at = at[self.shard.may_hold(chunk[at])][:room + ahead]
                 if at.size == 0:
                     continue
+                # Past the rows it may hold, the keys' positions alone: the shard keeps them
+                # (RecentPositions), so the read finds these rows without their index blocks.
                 with self._timed(shard=True):
                     pos = self.shard.lookup(chunk[at])
+                ahead -= max(at.size - room, 0)
+                at, pos = at[:room], pos[:room]
                 found = np.flatnonzero(pos >= 0)
                 if found.size == 0:
                     continue

@@ -237,8 +237,8 @@ def test_a_warm_window_is_read_from_the_shard_once_however_small_the_cache(tmp_p
     want = np.random.default_rng(3).standard_normal((N_KEYS, LAYOUT.width)).astype(np.float32)
     for start in range(0, N_KEYS, 500):  # every row on the shard, none left in the cache
         store.write(uni[start:start + 500], want[start:start + 500])
-    store.flush()
-    store.cache.clear()
+    store.close()  # reopened: nothing cached, no position known
+    store = EmbeddingStore(cfg, tmp_path / "s.h5", create=False)
     window, other = np.arange(0, 600), np.arange(1000, 1300)
 
     def reads(cause):
@@ -250,6 +250,9 @@ def test_a_warm_window_is_read_from_the_shard_once_however_small_the_cache(tmp_p
     got = store.read(uni[window])
     np.testing.assert_array_equal(got, want[window])
     assert reads("pull") == window.size - cache_rows // 2  # the held rows were all still there
+    if store.shard.recent is not None:  # the pread path: the warm looked up the rest's positions
+        assert store.shard_traffic()["pull"]["index_blocks_read"] == 0
+        assert store.shard_traffic()["warm"]["index_blocks_read"] > 0
     assert store.cache.n_held == 0  # the pull took them: ordinary entries again
     np.testing.assert_array_equal(store.read(uni[other]), want[other] + 1)
 
