@@ -3,7 +3,9 @@
 Every method takes keys this rank owns, as a 1-D uint64 array of unique keys (the exchange
 deduplicates before it calls, and the store trusts it: it checks only under
 HVCTR_DEBUG_CHECKS=1), and is safe to call from two threads (one lock; ``warm`` lets go of it
-between chunks so a push from the main thread never waits for a whole prefetch).
+between chunks, and while it reads a chunk's rows, so that the main thread's pull, push and
+write-back run beside the prefetch: ``_Fence`` keeps what they wrote meanwhile from being
+cached old).
 
 Reads go cache -> shard -> new row. A new key is admitted once it has been counted
 ``storage.admit_after`` times (online, in a count-min sketch); until then it reads the shared
@@ -403,10 +405,12 @@ class EmbeddingStore:
                 t0 = time.perf_counter()
                 rows, io = self.shard.read_rows_detached(pos)  # the lock is free meanwhile
                 dt = time.perf_counter() - t0
-            finally:
+            except BaseException:
                 with self._lock:
                     self._close_fence(fence)
-            with self._lock:
+                raise
+            with self._lock:  # the fence closes where its positions are read: no write slips between
+                self._close_fence(fence)
                 self._credit_time(dt)
                 if fence.epoch != self._epoch:  # the shard was closed, compacted or loaded meanwhile
                     return
