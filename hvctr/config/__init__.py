@@ -53,6 +53,11 @@ class SparseRule(str, enum.Enum):
     MATCHED = "matched"  # old + the mean move scaled to the move sync would have made (hvctr.storage.row_merge)
 
 
+class DenseGradients(str, enum.Enum):
+    LOCAL = "local"  # kstep: each rank's dense Adam steps on its own gradients; the model merged
+    POWERSGD = "powersgd"  # kstep: the gradients averaged every step, low-rank (hvctr.train.merger.PowerSGD)
+
+
 class Compression(str, enum.Enum):
     NONE = "none"
     FP16 = "fp16"
@@ -169,6 +174,11 @@ class MergeConfig:
     # (BENCHMARKS.md, Training), a third of the bytes, better calibration; PaddleBox merges params too
     states: MergeStates = MergeStates.PARAMS
     compression: Compression = Compression.NONE  # fp16 on the wire (kstep: the moves since the last merge); never Adam's v
+    # kstep's dense model: local (its own Adam steps on each rank, merged as above) or powersgd (the
+    # gradients averaged every step as rank-r factors with error feedback, Vogels et al. arXiv
+    # 1905.13727: every rank takes the same Adam step, the rows still merge every k steps)
+    dense_gradients: DenseGradients = DenseGradients.LOCAL
+    powersgd_rank: int = 4  # merge.dense_gradients = powersgd: the rank r of each weight matrix's factors
     # Accuracy at scale (docs/merging.md): W ranks each see 1/W of the data, so averaging
     # their models dilutes progress per sample unless the merge makes up for it.
     # sqrt: chosen by measurement (BENCHMARKS.md, Accuracy against ranks); none: the rates as given
@@ -509,6 +519,15 @@ def _validate(cfg: Config) -> None:
              f"must be -1 (auto), 0 (at the window's end) or a number of steps, got {m.dense_every_steps}")
     _require(m.lr_warmup_steps >= 0, "merge.lr_warmup_steps", f"must be >= 0, got {m.lr_warmup_steps}")
     _require(m.k_warmup_steps >= 0, "merge.k_warmup_steps", f"must be >= 0, got {m.k_warmup_steps}")
+    _require(m.powersgd_rank >= 1, "merge.powersgd_rank", f"must be >= 1, got {m.powersgd_rank}")
+    if m.dense_gradients is DenseGradients.POWERSGD:
+        _require(m.mode is MergeMode.KSTEP, "merge.dense_gradients",
+                 "powersgd is kstep mode's (sync mode averages the whole gradients every step)")
+        _require(m.dense_every_steps <= 0 and m.compression is Compression.NONE, "merge.dense_gradients",
+                 "powersgd averages the dense gradients every step (its factors in float32): the dense model is "
+                 "never merged, so merge.dense_every_steps > 0 and merge.compression = fp16 do not apply")
+        _require(m.outer_lr == 1.0 and m.outer_momentum == 0.0, "merge.dense_gradients",
+                 "powersgd takes no outer step (merge.outer_lr, merge.outer_momentum): the dense model is never merged")
     _require(m.outer_lr > 0, "merge.outer_lr", f"must be > 0, got {m.outer_lr}")
     _require(0 <= m.outer_momentum < 1, "merge.outer_momentum", f"must be in [0, 1), got {m.outer_momentum}")
     _require(d.batch_size_per_rank >= 1, "data.batch_size_per_rank", f"must be >= 1, got {d.batch_size_per_rank}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hvctr.config import Compression, Config, DataConfig, MergeConfig, MergeMode, SparseRule
+from hvctr.config import Compression, Config, DataConfig, DenseGradients, MergeConfig, MergeMode, SparseRule
 
 AUTO_DENSE_RANKS = 32  # merge.dense_every_steps = -1 merges the dense model every 4 steps from here on
 AUTO_DENSE_EVERY = 4
@@ -34,6 +34,8 @@ def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
     if cfg.sparse_rule is SparseRule.AUTO:
         many = cfg.mode is MergeMode.KSTEP and world_size >= AUTO_MATCHED_RANKS
         cfg = dataclasses.replace(cfg, sparse_rule=SparseRule.MATCHED if many else SparseRule.AVERAGE)
+    if cfg.dense_gradients is DenseGradients.POWERSGD:  # the dense model is averaged every step
+        return dataclasses.replace(cfg, dense_every_steps=0)
     if cfg.dense_every_steps >= 0:
         return cfg
     if cfg.mode is MergeMode.KSTEP and world_size >= AUTO_DENSE_RANKS and cfg.every_k_steps > AUTO_DENSE_EVERY:

@@ -18,7 +18,8 @@ import os
 import re
 from pathlib import Path
 
-from hvctr.config import BOTTOM_MLP_ARCHS, CROSS_ARCHS, Compression, Config, MergeMode, ModelConfig, load_config
+from hvctr.config import (BOTTOM_MLP_ARCHS, CROSS_ARCHS, Compression, Config, DenseGradients, MergeMode, ModelConfig,
+                          load_config)
 from hvctr.plan.gpus import spec_for
 from hvctr.plan.keyfreq import KeyCurve, data_curve, zipf_curve
 from hvctr.plan.model import NO_FIT, Job, NodeInfo, Plan, plan
@@ -137,6 +138,7 @@ def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows:
                                     if cfg.data.global_batch_size else cfg.data.batch_size_per_rank),
                every_k_steps=m.every_k_steps, mode=m.mode,
                states=m.states, compression=m.compression, dense_every_steps=m.dense_every_steps,
+               powersgd_rank=m.powersgd_rank if m.dense_gradients is DenseGradients.POWERSGD else 0,
                sparse_rule=m.sparse_rule,
                cpu_cache_bytes=s.cpu_cache_bytes,
                max_load_factor=s.max_load_factor, model=cfg.model, pass_rows=pass_rows, prefetch=cfg.data.prefetch,
@@ -222,6 +224,8 @@ def format_plan(p: Plan, rates_from: str) -> str:
     f, j, n = p.figures, p.job, p.node
     mode = "sync (gradients every step)" if j.mode is MergeMode.SYNC else f"kstep k = {j.k} ({j.states.value})"
     fp16 = ", fp16 on the wire" if j.compression is Compression.FP16 else ""
+    if j.powersgd_rank:
+        mode = f"kstep k = {j.k} (rows), dense gradients every step (powersgd, rank {j.powersgd_rank})"
     overlap = "overlapped" if "no spare core" not in " ".join(p.notes) else "added"
     lines = [
         f"hvctr plan: {j.nodes} node(s) x {j.ranks_per_node} ranks = {f['world_size']} ranks on {n.name} "

@@ -15,6 +15,8 @@ the code), per rank unless it says otherwise:
     push_gradients  U f (8 + 4 (D + 1))                           sync
     dense payload per merge: (P + P [m] + P [v]) * wire bytes + 8 (the flags)   kstep
                              P * wire bytes + 8                                  sync
+    merge.dense_gradients = powersgd: every step 4 (sum of r (out + in) over the factored weights
+                             + the rest whole), in two allreduces; 8 (the flags) at the window's end
 
 Time per window is the sum of per-item costs at the measured rates (hvctr.plan.rates):
 
@@ -84,6 +86,7 @@ class Job:
     states: MergeStates = MergeStates.PARAMS_M_V
     compression: Compression = Compression.NONE
     dense_every_steps: int = 0  # merge.dense_every_steps: dense merges inside a window too
+    powersgd_rank: int = 0  # merge.dense_gradients = powersgd: its rank r (0: local dense steps, merged)
     sparse_rule: SparseRule = SparseRule.AVERAGE  # resolved: every rule but average keeps the owner's pulled rows to the push
     cpu_cache_bytes: int = 256 << 20
     max_load_factor: float = 0.8
@@ -202,6 +205,20 @@ def shard_bytes(capacity: int, dim: int, max_load_factor: float) -> dict[str, in
     rows = capacity * RowLayout(dim).row_bytes
     meta = capacity * META_DTYPE.itemsize
     return {"index": index, "rows": rows, "meta": meta, "total": index + rows + meta}
+
+
+def powersgd_step_bytes(model: ModelConfig, dim: int, rank: int) -> tuple[int, int]:
+    """Bytes one rank puts into each of PowerSGD's two allreduces a step (hvctr.train.merger.
+    PowerSGD): an out x in weight whose factors are smaller travels as P (out x r), then Q
+    (in x r); biases and the weights it would not shrink travel whole with P (float32)."""
+    first = second = 0
+    for i, o, bias in linear_layers(model, dim):
+        if rank * (o + i) < o * i:
+            first, second = first + o * rank, second + i * rank
+        else:
+            first += o * i
+        first += o if bias else 0
+    return 4 * first, 4 * second
 
 
 def dense_payload_bytes(params: int, mode: MergeMode, states: MergeStates, compression: Compression) -> int:
@@ -404,6 +421,9 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     compute = k * step
     one = dense_payload_bytes(P, job.mode, job.states, job.compression)
     dense_merge = job.dense_merges(k) * c.allreduce(one)  # each a grouped allreduce of its own
+    if job.powersgd_rank:  # the gradients' two allreduces every step; the window's end sums the flags alone
+        first, second = powersgd_step_bytes(job.model, D, job.powersgd_rank)
+        dense_merge = k * (c.allreduce(first) + c.allreduce(second)) + c.allreduce(8)
     if job.mode is MergeMode.SYNC:
         grad_bytes = KEY_BYTES + 4 * RowLayout(D).model_width
         merge = (dense_merge + 2 * c.unique(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
@@ -486,6 +506,8 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         notes.append("no spare core per rank for the prefetch thread: its time adds to the step")
     sparse = sparse_bytes_per_window(u if job.mode is MergeMode.KSTEP else u_b, W, D, job.mode, job.prefetch)
     payload = dense_payload_bytes(P, job.mode, job.states, job.compression) * job.dense_merges(k)
+    if job.powersgd_rank:
+        payload = k * sum(powersgd_step_bytes(job.model, D, job.powersgd_rank)) + 8
     dev_bytes = _device_bytes(job, u, P)
     figures = {
         "world_size": W, "dense_params": P, "row_bytes": layout.row_bytes,

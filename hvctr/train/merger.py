@@ -26,6 +26,10 @@ merge() inside the window too (its flags are ignored there; requests are read at
 end). Its default (-1, auto) is resolved by hvctr.config.resolve.resolve_merge. Why the dense
 model merges more often than the rows at many ranks, and what it recovers (measured, with the
 data set, global batch and steps a rank of each figure): docs/merging.md and BENCHMARKS.md.
+
+``merge.dense_gradients = powersgd`` (PowerSGD) keeps the dense model synchronous instead: its
+gradients are averaged every step, each weight matrix's as two rank-r factors, and every rank
+takes the same Adam step; the window's end then sums the control flags alone.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from hvctr.config import Compression, MergeConfig, MergeStates
+from hvctr.config import Compression, DenseGradients, MergeConfig, MergeStates
 
 if TYPE_CHECKING:
     from hvctr.distributed.protocol import Comm
@@ -64,12 +68,60 @@ class _DenseReducer:
         return self.comm.allreduce_sum(tensors, name=name)
 
 
+class PowerSGD:
+    """The dense gradients averaged over the ranks every step at a fraction of their bytes
+    (Vogels, Karimireddy and Jaggi, arXiv 1905.13727). Each weight matrix's gradient M (n x m,
+    plus this rank's error of the last step) is sent as P = M Q (n x r), then, P summed and
+    orthonormalised, as Q = M^T P (m x r); every rank then applies P Q^T / W, the same on every
+    rank, and keeps M - P Q^T as its error for the next step. Q starts from one seeded draw on
+    every rank and carries over (one power iteration a step). Vectors, and matrices whose factors
+    would not be smaller, travel whole, with the first factors. Two grouped allreduces a step.
+
+    The error feedback is each rank's own and is not checkpointed: a resumed run starts it from
+    zero (its model then differs from an uninterrupted run's by that last step's error)."""
+
+    def __init__(self, reducer: "_DenseReducer", rank: int, seed: int) -> None:
+        self.reducer = reducer
+        gen = torch.Generator().manual_seed(seed)
+        self.q: dict[int, torch.Tensor] = {}
+        self.err: dict[int, torch.Tensor] = {}
+        for i, p in enumerate(reducer.params):
+            n, m = (p.shape[0], p[0].numel()) if p.dim() >= 2 else (1, p.numel())
+            if p.dim() >= 2 and rank * (n + m) < n * m:
+                self.q[i] = torch.randn(m, rank, generator=gen, dtype=p.dtype)
+                self.err[i] = torch.zeros(n, m, dtype=p.dtype)
+        self.whole = [i for i in range(len(reducer.params)) if i not in self.q]
+
+    def average(self, name: str) -> None:
+        """Replaces every dense parameter's .grad by the (approximate) average over the ranks."""
+        params = self.reducer.params
+        size = self.reducer.comm.size
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        with torch.no_grad():
+            mats = {i: grads[i].reshape(self.err[i].shape) + self.err[i] for i in self.q}
+            first = [mats[i] @ self.q[i] for i in self.q] + [grads[i] for i in self.whole]
+            summed = self.reducer._sum(first, f"{name}.p")
+            for k, i in enumerate(self.whole):
+                params[i].grad = summed[len(self.q) + k] / size
+            basis = [torch.linalg.qr(s, mode="reduced").Q for s in summed[:len(self.q)]]
+            second = [mats[i].T @ b for i, b in zip(self.q, basis)]
+            q_sum = self.reducer._sum(second, f"{name}.q")
+            for i, b, qs in zip(list(self.q), basis, q_sum):
+                q = qs / size
+                approx = b @ q.T
+                self.err[i] = mats[i] - approx
+                params[i].grad = approx.reshape(params[i].shape)
+                self.q[i] = q
+
+
 class KStepMerger(_DenseReducer):
-    """Averages the dense model every ``merge.every_k_steps`` local steps."""
+    """Averages the dense model every ``merge.every_k_steps`` local steps (or, with
+    ``merge.dense_gradients = powersgd``, its gradients every step: ``average_gradients``)."""
 
     def __init__(self, comm: Comm, cfg: MergeConfig, params: Sequence[torch.Tensor],
-                 hierarchical: bool = False) -> None:
+                 hierarchical: bool = False, seed: int = 0) -> None:
         super().__init__(comm, cfg, params, hierarchical)
+        self.powersgd = PowerSGD(self, cfg.powersgd_rank, seed) if cfg.dense_gradients is DenseGradients.POWERSGD else None
         self.merge_m = cfg.states is MergeStates.PARAMS_M_V
         self.merge_v = cfg.states in (MergeStates.PARAMS_V, MergeStates.PARAMS_M_V)
         self.outer = cfg.outer_lr != 1.0 or cfg.outer_momentum != 0.0
@@ -96,6 +148,8 @@ class KStepMerger(_DenseReducer):
     def merge(self, moments: tuple[list[torch.Tensor], list[torch.Tensor]], flags: Sequence[int],
               name: str) -> list[int]:
         """Averages params (and m, v) in place; returns the flags summed over ranks."""
+        if self.powersgd is not None:  # the dense model is the same on every rank: the flags alone
+            return [int(round(f)) for f in self._sum([torch.tensor(list(flags), dtype=torch.float32)], name)[0].tolist()]
         m_list, v_list = moments
         wire_dtype = torch.float16 if self.cfg.compression is Compression.FP16 else torch.float32
         if self.moves and len(self.start) != len(self.params):
@@ -118,6 +172,11 @@ class KStepMerger(_DenseReducer):
                 for p, s in zip(self.params, self.start):
                     s.copy_(p.detach())
         return [int(round(f)) for f in summed[-1].tolist()]
+
+
+    def average_gradients(self, name: str) -> None:
+        """merge.dense_gradients = powersgd: the dense gradients averaged over the ranks (PowerSGD)."""
+        self.powersgd.average(name)
 
 
 class SyncGradients(_DenseReducer):

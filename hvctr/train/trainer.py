@@ -142,7 +142,8 @@ class Trainer:
         params = list(self.model.parameters())
         hier = self.cfg.topology.hierarchical_allreduce
         kind = SyncGradients if self.cfg.merge.mode is MergeMode.SYNC else KStepMerger
-        reducer = kind(self.comm, self.merge_cfg, params, hier)
+        reducer = (SyncGradients(self.comm, self.merge_cfg, params, hier) if kind is SyncGradients
+                   else KStepMerger(self.comm, self.merge_cfg, params, hier, seed=self.cfg.train.seed))
         nodes = f"{self.comm.num_nodes} node(s) {self.comm.node_ranks}"
         if reducer.hierarchical:
             log.info(f"dense merge: hierarchical over {nodes}: inside each node, then node leaders only")
@@ -175,6 +176,8 @@ class Trainer:
                     + (" (fp16 moves)" if self.merge_cfg.compression is Compression.FP16 else "")
                     if self.merge_cfg.dense_every_steps else "")
                  + (f" (from 1 over the first {schedule.k_warmup_steps} steps)" if schedule.k_warmup_steps else "")
+                 + (f", dense gradients averaged every step (powersgd, rank {self.merge_cfg.powersgd_rank})"
+                    if getattr(self.reducer, "powersgd", None) is not None else "")
                  + (f", owners' rule {self.merge_cfg.sparse_rule.value}"
                     if self.cfg.merge.mode is MergeMode.KSTEP and self.merge_cfg.sparse_rule is not SparseRule.AVERAGE
                     else "")
@@ -287,6 +290,8 @@ class Trainer:
         step = self.state.step + i  # this step's index: the same on every rank, and on resume
         idx, g = self._forward_backward(w, i, rows)
         sparse_adam_step(rows, idx, g, self.lr.sparse(step), self.lr.beta1, self.lr.beta2, self.lr.eps)
+        if getattr(self.reducer, "powersgd", None) is not None:
+            self.reducer.average_gradients(name=f"window{w.index}.step{i}")  # comm: two grouped allreduces
         self._set_dense_lr(step)
         self.optimizer.step()
 

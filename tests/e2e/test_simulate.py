@@ -86,7 +86,8 @@ def evaluation(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())["eval"]
 
 
-@pytest.mark.parametrize("np_,mode", [(2, "kstep"), (3, "kstep"), (3, "sync"), (3, "kstep-dense2"), (3, "kstep-matched")])
+@pytest.mark.parametrize("np_,mode", [(2, "kstep"), (3, "kstep"), (3, "sync"), (3, "kstep-dense2"), (3, "kstep-matched"),
+                                      (3, "kstep-powersgd")])
 def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
     flags = [*SAME, f"--merge.mode={mode.split('-')[0]}", "--merge.every_k_steps=4"]
     if mode == "sync":
@@ -95,6 +96,8 @@ def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
         flags += ["--merge.dense_every_steps=2", "--merge.compression=fp16"]
     if mode == "kstep-matched":  # the owners' rule of 16 ranks and more (merge.sparse_rule = auto), forced at 3
         flags += ["--merge.sparse_rule=matched"]
+    if mode == "kstep-powersgd":  # the dense gradients averaged every step as rank-4 factors
+        flags += ["--merge.dense_gradients=powersgd"]
     train(np_, tmp_path / "mpi", dataset, *flags)
     r = simulate(np_, tmp_path / "sim", dataset, *flags)
     compare(tmp_path / "mpi", tmp_path / "sim")
@@ -112,6 +115,15 @@ def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
         windows = 24 // 4
         for s in (summary, json.loads((tmp_path / "mpi" / "summary.json").read_text())):
             assert s["dense_merge_calls"] == 2 * windows and s["dense_merge_bytes"] == 2 * windows * (2 * params + 8)
+    if mode == "kstep-powersgd":  # every rank took the same dense steps: one model, never merged
+        dense = every_rank_dense(tmp_path / "mpi")
+        files = sorted({f for f, _ in dense})
+        assert len(files) == np_
+        for (f, k), v in dense.items():
+            if k.startswith("param."):
+                assert np.array_equal(v, dense[(files[0], k)]), (f, k)
+        s = json.loads((tmp_path / "mpi" / "summary.json").read_text())
+        assert s["dense_merge_calls"] == 2 * 24 + 24 // 4  # two allreduces a step, the flags a window
     if np_ == 3 and mode == "kstep":
         # the ascending-rank order differs from OpenMPI's ring: equal within the stated tolerance
         simulate(np_, tmp_path / "sim-rank", dataset, *flags, "--reduce-order=rank")
