@@ -108,9 +108,13 @@ def key_of(r: dict, rule: str) -> str:
 # Rule names used in BENCHMARKS.md and what they set (besides the mode); "defaults" is the config's.
 LEGEND = {
     "defaults": "the defaults: merge.lr_scaling = sqrt, merge.adam_scaling = sqrt (both the identity at a fixed "
-                "global batch, G=...: the global batch does not grow); merge.dense_every_steps = -1 (auto: from 32 "
-                "ranks on the dense model merges every 4 steps, its moves in fp16; at the window's end below). "
-                "Tables measured before that default say so",
+                "global batch, G=...: the global batch does not grow); merge.dense_gradients = auto (since "
+                "2026-12-05: from 16 ranks on the dense gradients averaged every step as rank-16 factors, "
+                "PowerSGD; before it, and below 16 ranks, local dense steps, with merge.dense_every_steps = -1: "
+                "from 32 ranks on merged every 4 steps, its moves in fp16). Tables measured before a default say so",
+    "powersgd16": "--merge.dense_gradients=powersgd --merge.powersgd_rank=16: what the defaults resolve to from 16 "
+                  "ranks on since 2026-12-05",
+    "powersgd": "--merge.dense_gradients=powersgd --merge.powersgd_rank=4 (the rank's default before 16 was chosen)",
     "outer-mom0.5": "the defaults with merge.outer_momentum = 0.5 (SlowMo's outer momentum on the averaged dense move)",
     "rates-x-sqrt(W)": "at a fixed global batch, both rates x sqrt(W) (Adam as configured; --data.batch_size_per_rank=G/W)",
     "scaled-by-W": "at a fixed global batch, the rates x sqrt(W) and Adam's memory / sqrt(W) all the same (what "
@@ -140,8 +144,8 @@ LEGEND = {
     "seed2": "the defaults with train.seed = 2 (another dense initialisation: a second sample of each gap)",
     "window-end": "--merge.dense_every_steps=0: the dense model merges at the window's end only (the defaults "
                   "below 32 ranks; at 32 and 64 what the defaults were before merge.dense_every_steps)",
-    "dense4-fp16": "--merge.dense_every_steps=4 --merge.compression=fp16: what the defaults resolve to from 32 "
-                   "ranks on (the dense model merged every 4 steps, its moves in fp16)",
+    "dense4-fp16": "--merge.dense_every_steps=4 --merge.compression=fp16: what the defaults resolved to from 32 "
+                   "ranks on before merge.dense_gradients (the dense model merged every 4 steps, its moves in fp16)",
     "dense2-fp16": "--merge.dense_every_steps=2 --merge.compression=fp16: the dense model merged every 2 steps "
                    "(a quarter of sync's dense bytes, over the issue's 1/6)",
     "diag-dense-sync": "a diagnostic patch, not a config value: the dense gradients averaged every step (as sync), "

@@ -54,6 +54,7 @@ class SparseRule(str, enum.Enum):
 
 
 class DenseGradients(str, enum.Enum):
+    AUTO = "auto"  # powersgd from 16 ranks on (kstep, the local merge's knobs left alone), local below (hvctr.config.resolve)
     LOCAL = "local"  # kstep: each rank's dense Adam steps on its own gradients; the model merged
     POWERSGD = "powersgd"  # kstep: the gradients averaged every step, low-rank (hvctr.train.merger.PowerSGD)
 
@@ -176,9 +177,10 @@ class MergeConfig:
     compression: Compression = Compression.NONE  # fp16 on the wire (kstep: the moves since the last merge); never Adam's v
     # kstep's dense model: local (its own Adam steps on each rank, merged as above) or powersgd (the
     # gradients averaged every step as rank-r factors with error feedback, Vogels et al. arXiv
-    # 1905.13727: every rank takes the same Adam step, the rows still merge every k steps)
-    dense_gradients: DenseGradients = DenseGradients.LOCAL
-    powersgd_rank: int = 4  # merge.dense_gradients = powersgd: the rank r of each weight matrix's factors
+    # 1905.13727: every rank takes the same Adam step, the rows still merge every k steps); auto:
+    # powersgd from 16 ranks on, chosen on two data sets (docs/merging.md), local below
+    dense_gradients: DenseGradients = DenseGradients.AUTO
+    powersgd_rank: int = 16  # merge.dense_gradients = powersgd: the rank r of each weight matrix's factors
     # Accuracy at scale (docs/merging.md): W ranks each see 1/W of the data, so averaging
     # their models dilutes progress per sample unless the merge makes up for it.
     # sqrt: chosen by measurement (BENCHMARKS.md, Accuracy against ranks); none: the rates as given

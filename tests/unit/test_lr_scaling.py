@@ -76,20 +76,31 @@ def test_a_fixed_global_batch_is_dealt_over_the_ranks_and_grows_nothing():
     assert fixed.factor(0) == 1.0 and (fixed.beta1, fixed.beta2, fixed.eps) == (0.9, 0.999, 1e-8)
 
 
-def test_dense_merges_inside_the_window_from_32_ranks_on_by_default():
-    from hvctr.config import Compression, MergeConfig, MergeMode, SparseRule
-    from hvctr.config.resolve import AUTO_DENSE_RANKS, resolve_merge
+def test_dense_gradients_every_step_from_16_ranks_on_by_default():
+    from hvctr.config import Compression, DenseGradients, MergeConfig, MergeMode, SparseRule
+    from hvctr.config.resolve import AUTO_POWERSGD_RANKS, resolve_merge
 
     auto = MergeConfig(every_k_steps=8)
-    assert auto.dense_every_steps == -1
-    small = resolve_merge(auto, AUTO_DENSE_RANKS - 1)
+    assert auto.dense_every_steps == -1 and auto.dense_gradients is DenseGradients.AUTO and auto.powersgd_rank == 16
+    assert AUTO_POWERSGD_RANKS == 16
+    small = resolve_merge(auto, AUTO_POWERSGD_RANKS - 1)
     assert small.dense_every_steps == 0 and small.compression is Compression.NONE
-    big = resolve_merge(auto, AUTO_DENSE_RANKS)
-    assert big.dense_every_steps == 4 and big.compression is Compression.FP16  # one fp32 merge's bytes per 8 steps
-    assert resolve_merge(MergeConfig(every_k_steps=4), 64).dense_every_steps == 0  # no window to split
+    assert small.dense_gradients is DenseGradients.LOCAL  # the 2-rank benchmarks unchanged
+    big = resolve_merge(auto, AUTO_POWERSGD_RANKS)
+    assert big.dense_gradients is DenseGradients.POWERSGD and big.dense_every_steps == 0
+    assert big.compression is Compression.NONE
+    # the local merge's knobs, set by the user, keep the local dense model; its auto merges as before
+    local = resolve_merge(MergeConfig(every_k_steps=8, dense_gradients=DenseGradients.LOCAL), 64)
+    assert local.dense_every_steps == 4 and local.compression is Compression.FP16  # one fp32 merge's bytes per 8 steps
+    for knob in ({"dense_every_steps": 2}, {"dense_every_steps": 0}, {"compression": Compression.FP16},
+                 {"outer_lr": 0.7}, {"outer_momentum": 0.5}):
+        assert resolve_merge(MergeConfig(every_k_steps=8, **knob), 64).dense_gradients is DenseGradients.LOCAL, knob
+    assert resolve_merge(MergeConfig(every_k_steps=4, dense_gradients=DenseGradients.LOCAL), 64).dense_every_steps == 0
     assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).dense_every_steps == 0
+    assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).dense_gradients is DenseGradients.LOCAL
     assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).compression is Compression.NONE
-    chosen = MergeConfig(every_k_steps=8, dense_every_steps=0, sparse_rule=SparseRule.SQRT)
+    chosen = MergeConfig(every_k_steps=8, dense_every_steps=0, sparse_rule=SparseRule.SQRT,
+                         dense_gradients=DenseGradients.LOCAL)
     assert resolve_merge(chosen, 64) is chosen  # what the user sets is kept
     assert resolve_merge(MergeConfig(every_k_steps=8, dense_every_steps=2), 2).dense_every_steps == 2
 
