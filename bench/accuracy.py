@@ -109,10 +109,10 @@ def key_of(r: dict, rule: str) -> str:
 LEGEND = {
     "defaults": "the defaults: merge.lr_scaling = sqrt, merge.adam_scaling = sqrt (both the identity at a fixed "
                 "global batch, G=...: the global batch does not grow); merge.dense_gradients = auto (since "
-                "2026-12-05: from 16 ranks on the dense gradients averaged every step as rank-16 factors, "
-                "PowerSGD; before it, and below 16 ranks, local dense steps, with merge.dense_every_steps = -1: "
+                "2026-12-05: from 8 ranks on the dense gradients averaged every step as rank-16 factors, "
+                "PowerSGD; before it, and below 8 ranks, local dense steps, with merge.dense_every_steps = -1: "
                 "from 32 ranks on merged every 4 steps, its moves in fp16). Tables measured before a default say so",
-    "powersgd16": "--merge.dense_gradients=powersgd --merge.powersgd_rank=16: what the defaults resolve to from 16 "
+    "powersgd16": "--merge.dense_gradients=powersgd --merge.powersgd_rank=16: what the defaults resolve to from 8 "
                   "ranks on since 2026-12-05",
     "powersgd": "--merge.dense_gradients=powersgd --merge.powersgd_rank=4 (the rank's default before 16 was chosen)",
     "outer-mom0.5": "the defaults with merge.outer_momentum = 0.5 (SlowMo's outer momentum on the averaged dense move)",

@@ -17,9 +17,9 @@ import dataclasses
 from hvctr.config import Compression, Config, DataConfig, DenseGradients, MergeConfig, MergeMode, SparseRule
 
 AUTO_DENSE_RANKS = 32  # merge.dense_every_steps = -1 merges a local dense model every 4 steps from here on
-AUTO_POWERSGD_RANKS = 16  # merge.dense_gradients = auto is powersgd from here on
+AUTO_POWERSGD_RANKS = 8  # merge.dense_gradients = auto is powersgd from here on
 AUTO_DENSE_EVERY = 4
-AUTO_MATCHED_RANKS = 16  # merge.sparse_rule = auto is matched from here on, average below
+AUTO_MATCHED_RANKS = 8  # merge.sparse_rule = auto is matched from here on, average below
 
 
 def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
@@ -29,9 +29,10 @@ def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
       from AUTO_POWERSGD_RANKS ranks on, where the user set none of the local merge's knobs, else
       local: at a fixed global batch of 15,360, k = 8, on two data sets (tail-heavy / criteo
       shape), the dense gradients averaged every step as rank-16 factors (8% of sync's gradient
-      bytes) lost 0.0004 / 0.0007 at 16 ranks, 0.0006 / 0.0011 at 32 and 0.0010 / 0.0011 at 64,
-      against 0.0012 / 0.0014, 0.0018 / 0.0021 and 0.0026 / 0.0024 with local dense steps
-      (merged every 4 steps in fp16 from 32 ranks on: 12.5% of the bytes);
+      bytes) lost 0.0020 / +0.0009 at 8 ranks, 0.0004 / 0.0007 at 16, 0.0006 / 0.0011 at 32 and
+      0.0010 / 0.0011 at 64, against 0.0036 / +0.0004, 0.0012 / 0.0014, 0.0018 / 0.0021 and
+      0.0026 / 0.0024 with local dense steps (merged every 4 steps in fp16 from 32 ranks on: 12.5%
+      of the bytes); below 8 ranks not measured;
 
     - ``dense_every_steps = -1`` (auto) becomes 4 steps with float16 moves (``compression =
       fp16``) in kstep mode from AUTO_DENSE_RANKS ranks on, else 0 (the window's end);
@@ -39,7 +40,9 @@ def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
       average: at 16 and 64 ranks on tail-heavy data the owners' average kept a fraction of
       sync's progress on rows a few ranks each moved (-0.0066 and -0.0176 AUC, matched -0.0012
       and -0.0026), while on data whose rare values carry little signal matched cost 0.0006-0.0007
-      at 64 ranks (two seeds): the rule with the smaller worst gap over both data sets."""
+      at 64 ranks (two seeds): the rule with the smaller worst gap over both data sets. At 8
+      ranks, with the dense gradients every step (powersgd), average lost 0.0020 on tail-heavy
+      data and matched 0.0003 at worst (D4M), so it starts at 8 (below 8: not measured)."""
     if cfg.sparse_rule is SparseRule.AUTO:
         many = cfg.mode is MergeMode.KSTEP and world_size >= AUTO_MATCHED_RANKS
         cfg = dataclasses.replace(cfg, sparse_rule=SparseRule.MATCHED if many else SparseRule.AVERAGE)
