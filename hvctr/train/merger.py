@@ -100,12 +100,12 @@ class PowerSGD:
         with torch.no_grad():
             mats = {i: grads[i].reshape(self.err[i].shape) + self.err[i] for i in self.q}
             first = [mats[i] @ self.q[i] for i in self.q] + [grads[i] for i in self.whole]
-            summed = self.reducer._sum(first, f"{name}.p")
+            summed = self.reducer._sum(first, f"{name}.p")  # comm: grouped allreduce (Sum) of P and the vectors
             for k, i in enumerate(self.whole):
                 params[i].grad = summed[len(self.q) + k] / size
             basis = [torch.linalg.qr(s, mode="reduced").Q for s in summed[:len(self.q)]]
             second = [mats[i].T @ b for i, b in zip(self.q, basis)]
-            q_sum = self.reducer._sum(second, f"{name}.q")
+            q_sum = self.reducer._sum(second, f"{name}.q")  # comm: grouped allreduce (Sum) of Q
             for i, b, qs in zip(list(self.q), basis, q_sum):
                 q = qs / size
                 approx = b @ q.T
@@ -149,7 +149,9 @@ class KStepMerger(_DenseReducer):
               name: str) -> list[int]:
         """Averages params (and m, v) in place; returns the flags summed over ranks."""
         if self.powersgd is not None:  # the dense model is the same on every rank: the flags alone
-            return [int(round(f)) for f in self._sum([torch.tensor(list(flags), dtype=torch.float32)], name)[0].tolist()]
+            # comm: one allreduce (Sum) of the control flags
+            summed = self._sum([torch.tensor(list(flags), dtype=torch.float32)], name)
+            return [int(round(f)) for f in summed[0].tolist()]
         m_list, v_list = moments
         wire_dtype = torch.float16 if self.cfg.compression is Compression.FP16 else torch.float32
         if self.moves and len(self.start) != len(self.params):
@@ -172,7 +174,6 @@ class KStepMerger(_DenseReducer):
                 for p, s in zip(self.params, self.start):
                     s.copy_(p.detach())
         return [int(round(f)) for f in summed[-1].tolist()]
-
 
     def average_gradients(self, name: str) -> None:
         """merge.dense_gradients = powersgd: the dense gradients averaged over the ranks (PowerSGD)."""

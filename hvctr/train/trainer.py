@@ -141,8 +141,7 @@ class Trainer:
     def _build_reducer(self) -> KStepMerger | SyncGradients:
         params = list(self.model.parameters())
         hier = self.cfg.topology.hierarchical_allreduce
-        kind = SyncGradients if self.cfg.merge.mode is MergeMode.SYNC else KStepMerger
-        reducer = (SyncGradients(self.comm, self.merge_cfg, params, hier) if kind is SyncGradients
+        reducer = (SyncGradients(self.comm, self.merge_cfg, params, hier) if self.cfg.merge.mode is MergeMode.SYNC
                    else KStepMerger(self.comm, self.merge_cfg, params, hier, seed=self.cfg.train.seed))
         nodes = f"{self.comm.num_nodes} node(s) {self.comm.node_ranks}"
         if reducer.hierarchical:
