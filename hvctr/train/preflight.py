@@ -341,13 +341,17 @@ WINDOW_ROW_COPIES = 12  # copies of a window's rows a rank holds at once (pull a
 def rank_memory_beside_cache(cfg: Config) -> int:
     """About what a rank needs beside storage.cpu_cache_bytes: RANK_BASE_MEMORY plus its window's
     rows (k batches, about half their keys unique, at most storage.max_working_set_rows) in
-    WINDOW_ROW_COPIES copies. Measured: 1.2-1.6 GiB a rank at k = 8, batch 4096, 26 fields, dim 16
-    (BENCHMARKS.md, "A table larger than memory"); this gives 1.36 GiB."""
+    WINDOW_ROW_COPIES copies, and the shard's recent positions (a quarter of the cache's bytes:
+    hvctr.storage.shard.RecentPositions). Measured: 1.2-1.6 GiB a rank at k = 8, batch 4096, 26
+    fields, dim 16 (BENCHMARKS.md, "A table larger than memory"); this gives 1.36 GiB and the
+    positions."""
     from hvctr.formats import RowLayout
+    from hvctr.storage.shard import RECENT_POSITION_BYTES, recent_positions_for
 
     rows = min(cfg.storage.max_working_set_rows,
                cfg.merge.every_k_steps * cfg.data.batch_size_per_rank * cfg.model.num_fields // 2)
-    return RANK_BASE_MEMORY + WINDOW_ROW_COPIES * RowLayout(cfg.storage.dim).row_bytes * rows
+    recent = recent_positions_for(cfg.storage.cpu_cache_bytes) * RECENT_POSITION_BYTES
+    return RANK_BASE_MEMORY + WINDOW_ROW_COPIES * RowLayout(cfg.storage.dim).row_bytes * rows + recent
 
 
 def check_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> list[str]:
