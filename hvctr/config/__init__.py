@@ -147,6 +147,12 @@ class StorageConfig:
     # page cache, where a row written in one window is still there when the next reads it;
     # on also reads through O_DIRECT (no page-cache pages to charge to the group and reclaim)
     write_behind: WriteBehind = WriteBehind.AUTO
+    # kstep: an owner writes the merged rows the next window does not read while that window
+    # trains (a thread beside it, from the end of its pull): the window's end waits for the
+    # rows both windows hold alone. The same values (every other reader waits for them). Needs
+    # data.prefetch (the next window's keys are at their owners before the push); not with
+    # storage.admit_after > 1
+    defer_writes: bool = True
     # give the free pages of the C heaps back to the system (malloc_trim) after each window: the
     # window's freed arrays, otherwise kept by the process where a memory limit wants them for
     # the page cache (hvctr.heap)

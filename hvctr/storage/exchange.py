@@ -28,12 +28,20 @@ the same keys in the same order to the store, as a push that sends its keys. Eve
 passes a WindowExchange of the same keys to warm, pull and push, or none does: what a
 collective sends is decided by it.
 
+A push given the next window's exchange (``ahead``, its keys already sent to their owners by
+the warm) writes at once only the rows that window holds, as an owner; the rest it hands to
+the store (``EmbeddingStore.defer_write``), which writes them on a thread of their own from
+the end of that window's pull, while it trains: the window's end then waits for the rows the
+next window reads alone (the lookahead of Bagpipe, arXiv 2202.12429). A row is stored with
+the same value either way: every reader of the deferred rows but that pull waits for them.
+
 Plain unique keys or a Routing work too (tests, benchmarks, evaluation): ``route(keys)``
 builds their Routing, checking that they are unique; each call then sends its keys.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from contextlib import contextmanager
@@ -190,6 +198,15 @@ def merge_asked(values: np.ndarray, asked: Asked, divide: bool) -> tuple[np.ndar
     return uniq, acc, count
 
 
+def held_by(keys: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """Whether each of ``keys`` is among ``held`` (both unique uint64): one pass of
+    unique_in_order over both, ``held`` first (its keys keep their places)."""
+    if held.size == 0:
+        return np.zeros(keys.shape[0], dtype=bool)
+    _, _, inverse = unique_in_order(np.concatenate((held, keys)))
+    return inverse[held.size:] < held.size
+
+
 def _merges_natively(n: int, contiguous: bool) -> bool:
     """Whether merge_messages merges ``n`` message rows in C (else numpy, keys sorted)."""
     return _native.lib() is not None and 0 < n < (1 << 30) and contiguous
@@ -200,8 +217,15 @@ class ShardedTable:
     ``push_gradients``, ``read_only``; timing and byte counters in ``stats()`` / ``last``."""
 
     def __init__(self, comm: "Comm", store: EmbeddingStore, bucket_owner: np.ndarray,
-                 device: torch.device | str = "cpu", sparse_rule: SparseRule = SparseRule.AVERAGE) -> None:
+                 device: torch.device | str = "cpu", sparse_rule: SparseRule = SparseRule.AVERAGE,
+                 defer_writes: bool = False) -> None:
+        """``defer_writes`` (storage.defer_writes): a push given the next window's exchange writes
+        the rows that window does not hold after its pull (the module docstring). Off where the
+        store admits keys by count (storage.admit_after > 1): the pull's counts would come
+        between a deferred row's push and its write."""
         self.comm, self.store = comm, store
+        self.defer_writes = defer_writes and store.admission is None
+        self._ahead: WindowExchange | None = None  # the exchange whose pull may run beside deferred rows
         if sparse_rule is SparseRule.AUTO:
             raise ValueError("merge.sparse_rule = auto is resolved for the world size first "
                              "(hvctr.config.resolve.resolve_merge)")
@@ -294,9 +318,14 @@ class ShardedTable:
         did not keeps the request this pull sends, for the window's push."""
         asked = self._kept(keys, name)
         window = keys if isinstance(keys, WindowExchange) else None
-        rows, asked = self._answer(self._routed(keys), name, "pull", self.store.read, asked, keep=window)
+        # the window the last push wrote ahead of: the rows it left to write are none of its own
+        ahead, self._ahead = self._ahead is not None and keys is self._ahead, None
+        read = functools.partial(self.store.read, deferred_ok=ahead)
+        rows, asked = self._answer(self._routed(keys), name, "pull", read, asked, keep=window)
         if isinstance(keys, WindowExchange):
             keys.asked = asked
+        if ahead:
+            self.store.start_deferred()  # while this window trains
         return rows
 
     def read_only(self, keys: Keys, name: str) -> torch.Tensor:
@@ -322,12 +351,15 @@ class ShardedTable:
             out[r.order] = back.numpy()
             return self._to_device(torch.from_numpy(out)), asked
 
-    def push(self, keys: Exchange, rows: torch.Tensor | np.ndarray, name: str, steps: int = 1) -> None:
+    def push(self, keys: Exchange, rows: torch.Tensor | np.ndarray, name: str, steps: int = 1,
+             ahead: WindowExchange | None = None) -> None:
         """Sends rows back to their owners, which average each key over the ranks that sent it
         (then apply merge.sparse_rule, hvctr.storage.row_merge, to the model columns; ``steps``:
         the local steps the rows took, which the matched rule reads). A WindowExchange whose
         keys the owners were sent (warm or pull) sends rows only: each owner merges them by the
-        request it kept."""
+        request it kept. ``ahead``: the next window's exchange; where its keys were sent
+        (warm) and defer_writes is on, the rows it does not hold are written after its pull."""
+        self._ahead = None
         r = self._routed(keys)
         asked = self._kept(keys, name)
         with self._call("push") as rec:
@@ -359,7 +391,23 @@ class ShardedTable:
                 spread = (contributor_spread(copies, inverse, old, count, self.store.layout)
                           if self.sparse_rule is SparseRule.MATCHED else None)
                 mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count, spread, steps)
+            self._store_merged(uniq, mean, ahead)
+
+    def _store_merged(self, uniq: np.ndarray, mean: np.ndarray, ahead: WindowExchange | None) -> None:
+        """The owner's merged rows into its store: those the next window holds now, the rest
+        deferred to its pull (where ``ahead``'s keys were sent and defer_writes is on)."""
+        asked = ahead.asked if ahead is not None else None
+        if not self.defer_writes or asked is None or len(asked.received) != self.comm.size or uniq.size == 0:
             self.store.write(uniq, mean)
+            return
+        later = ~held_by(uniq, asked.uniq)
+        now = np.flatnonzero(~later)
+        later = np.flatnonzero(later)
+        if now.size:
+            self.store.write(uniq[now], mean[now])
+        if later.size:
+            self.store.defer_write(uniq[later], mean[later] if later.size < uniq.size else mean)
+            self._ahead = ahead
 
     def push_gradients(self, keys: Keys, grads: torch.Tensor | np.ndarray, apply_fn: ApplyFn, name: str) -> None:
         """Sync mode: owners sum each key's gradients over ranks (ascending source rank),

@@ -7,6 +7,12 @@ between chunks, and while it reads a chunk's rows, so that the main thread's pul
 write-back run beside the prefetch: ``_Fence`` keeps what they wrote meanwhile from being
 cached old).
 
+``defer_write`` hands over rows that nothing reads before the next window trains (the push's
+rows the next window does not hold, hvctr.storage.exchange); ``start_deferred`` writes them on
+a thread of their own, a chunk at a time, while that window trains. Every other method but
+``warm`` and the counters waits for them first (``settle``), ``read`` too unless its caller
+says its keys are not among them: no reader ever sees a deferred row old.
+
 Reads go cache -> shard -> new row. A new key is admitted once it has been counted
 ``storage.admit_after`` times (online, in a count-min sketch); until then it reads the shared
 default row (zeros) and its writes are dropped. An admitted new key gets its init row from
@@ -21,7 +27,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -35,6 +41,7 @@ from hvctr.formats import RowLayout, default_row, init_rows
 from hvctr.storage.shard import Shard, recent_positions_for, strictly_increasing
 
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
+_DEFERRED_CHUNK = 1 << 15  # rows per locked step of a deferred write (the prefetch's warm interleaves)
 _FLUSH_CHUNK_BYTES = 64 << 20  # rows written per step of flush()
 _CLEAN_GENERATION = -1  # row_meta generation of bulk-loaded rows: in no checkpoint delta
 
@@ -157,9 +164,10 @@ class EmbeddingStore:
         self._reads_done = threading.Condition(self._lock)  # warm()'s reads outside the lock: none left
         self._fences: list[_Fence] = []  # warm()'s reads in flight outside the lock
         self._epoch = 0  # bumped where rows move or the shard closes: a read in flight is dropped whole
+        self._deferred: _DeferredWrite | None = None  # rows handed over by defer_write, not yet all stored
         self.counters = dict.fromkeys(
             ("created", "unadmitted_reads", "dropped_writes", "writeback_rows", "writethrough_rows",
-             "warmed_rows", "fenced_warm_rows", "readonly_init_rows"), 0)
+             "warmed_rows", "fenced_warm_rows", "readonly_init_rows", "deferred_rows"), 0)
         self.shard_s = 0.0  # seconds inside shard calls (index probes, row reads and writes)
         self.total_s = 0.0  # seconds inside store methods
         self._thread_times = threading.local()  # the same, per calling thread (exchange timing)
@@ -218,6 +226,44 @@ class EmbeddingStore:
             self._reads_done.wait()
         self._epoch += 1
 
+    # --- writes after the next window's pull --------------------------------------------
+
+    def defer_write(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """``write(keys, rows)`` later: held until ``start_deferred`` writes them on a thread, or
+        until any method but ``warm`` (and ``read(..., deferred_ok=True)``) needs them stored.
+        The caller promises that nothing reads these keys before then, but through this store."""
+        self.settle()
+        keys = _unique_keys(keys)
+        rows = np.asarray(rows, dtype=np.float32)
+        self._check_rows(keys, rows)
+        if keys.size:
+            self._deferred = _DeferredWrite(keys, rows)
+            self.counters["deferred_rows"] += keys.size
+
+    def start_deferred(self) -> None:
+        """Writes the deferred rows on a thread of their own, ``_DEFERRED_CHUNK`` rows per locked
+        step; returns at once."""
+        d = self._deferred
+        if d is not None and d.thread is None:
+            d.thread = threading.Thread(target=d.run, args=(self._write_now,), daemon=True,
+                                        name=f"hvctr-deferred-write-{self.shard.rank}")
+            d.thread.start()
+
+    def settle(self) -> None:
+        """Returns once the deferred rows are stored (writing them here if no thread took them);
+        a failure of their thread is raised here. A no-op inside that thread."""
+        d = self._deferred
+        if d is None or threading.current_thread() is d.thread:
+            return
+        self._deferred = None
+        if d.thread is None:
+            self._write_now(d.keys, d.rows)
+            return
+        d.thread.join()
+        if d.error is not None:
+            raise RuntimeError(f"rank {self.shard.rank if self.shard else '?'}: writing a window's rows to "
+                               f"{self.path} after the next window's pull failed: {d.error}") from d.error
+
     def thread_times(self) -> tuple[float, float]:
         """(seconds in store methods, of which in shard calls) spent by the calling thread."""
         tl = self._thread_times
@@ -225,12 +271,15 @@ class EmbeddingStore:
 
     # --- the training path -------------------------------------------------------------
 
-    def read(self, keys: np.ndarray, count: bool = True) -> np.ndarray:
+    def read(self, keys: np.ndarray, count: bool = True, deferred_ok: bool = False) -> np.ndarray:
         """Rows of ``keys`` (float32 [n, width]); new admitted keys are created with init rows.
 
         ``count=False`` does not count the keys towards admission (a second read of the same
-        window, e.g. sync mode's gradient push).
+        window, e.g. sync mode's gradient push). ``deferred_ok``: none of ``keys`` is among the
+        deferred rows (``defer_write``), so the read need not wait for them.
         """
+        if not deferred_ok:
+            self.settle()
         keys = _unique_keys(keys)
         with self._lock, self._timed():
             ent = self.cache.lookup(keys, "access")
@@ -321,10 +370,17 @@ class EmbeddingStore:
         Keys the store does not hold are created if admitted (without counting), else their
         rows are dropped (unadmitted keys keep reading the default row).
         """
+        self.settle()
         keys = _unique_keys(keys)
         rows = np.asarray(rows, dtype=np.float32)
+        self._check_rows(keys, rows)
+        self._write_now(keys, rows)
+
+    def _check_rows(self, keys: np.ndarray, rows: np.ndarray) -> None:
         if rows.shape != (keys.shape[0], self.layout.width):
             raise ValueError(f"write: rows of shape {rows.shape} for {keys.shape[0]} keys of width {self.layout.width}")
+
+    def _write_now(self, keys: np.ndarray, rows: np.ndarray) -> None:
         with self._lock, self._timed():
             ent = self.cache.lookup(keys, "pin")
             self.cache.put(ent, rows)
@@ -435,6 +491,7 @@ class EmbeddingStore:
         A key the store does not hold reads its init row (computed, not stored), or the
         default row when admission is on (what training read for it).
         """
+        self.settle()
         keys = _unique_keys(keys)
         with self._lock, self._timed(), self.shard.attributed("eval"):
             ent = self.cache.lookup(keys, "peek")
@@ -458,6 +515,7 @@ class EmbeddingStore:
 
     def flush(self) -> None:
         """Writes every dirty cached row to the shard (they stay cached, clean) and the state."""
+        self.settle()
         with self._lock, self._timed():
             d = self.cache.dirty_entries()
             if d.size:
@@ -477,6 +535,7 @@ class EmbeddingStore:
 
     def end_pass(self) -> None:
         """Closes a pass over the data (TTL clock): rows written from now on are seen in the next."""
+        self.settle()
         with self._lock:
             self.flush()
             self.shard.pass_index += 1
@@ -489,6 +548,7 @@ class EmbeddingStore:
 
     def set_pass_index(self, value: int) -> None:
         """Restores the TTL clock from a checkpoint."""
+        self.settle()
         with self._lock:
             self.shard.pass_index = int(value)
             self.shard.save_state(clean=False)
@@ -501,6 +561,7 @@ class EmbeddingStore:
         """
         if self.cfg.ttl_passes == 0:
             return 0
+        self.settle()
         with self._lock, self.shard.attributed("compact"):
             self._quiesce()
             self.flush()
@@ -529,6 +590,7 @@ class EmbeddingStore:
     def count_rows(self, delta_only: bool = False, chunk_rows: int = 1 << 18) -> int:
         """How many rows ``iter_rows(delta_only=...)`` yields now (flushes first, reads only
         row_meta): a checkpoint reserves its file's space before writing a byte of it."""
+        self.settle()
         self.flush()
         with self._lock, self.shard.attributed("checkpoint"):
             if not delta_only:
@@ -545,6 +607,7 @@ class EmbeddingStore:
         (keys, rows, last_seen) with each row's TTL pass (int32), so that a checkpoint carries
         the TTL clock. Do not interleave with writes (between windows, as checkpoints are).
         """
+        self.settle()
         self.flush()
         for start in range(0, self.shard.n_rows, chunk_rows):
             with self._lock, self.shard.attributed("checkpoint"):
@@ -560,6 +623,7 @@ class EmbeddingStore:
 
     def mark_checkpoint(self) -> None:
         """Starts a new checkpoint generation: later writes form the next delta."""
+        self.settle()
         with self._lock:
             self.flush()
             self.shard.generation += 1
@@ -567,6 +631,7 @@ class EmbeddingStore:
 
     def take_checkpoint_delta(self, chunk_rows: int = 1 << 16) -> tuple[np.ndarray, np.ndarray]:
         """(keys, rows) written since the last mark, then the mark: the next delta starts empty."""
+        self.settle()
         with self._lock:
             parts = list(self.iter_rows(chunk_rows, delta_only=True))
             self.mark_checkpoint()
@@ -581,6 +646,7 @@ class EmbeddingStore:
         these keys are dropped so that reads see the loaded values. ``last_seen``: each row's
         TTL pass as saved (default: the current pass).
         """
+        self.settle()
         keys = require_unique(keys)
         rows = np.asarray(rows, dtype=np.float32)
         foreign = owner_of(keys, self.shard.bucket_owner) != self.shard.rank
@@ -635,13 +701,16 @@ class EmbeddingStore:
 
     def admission_state(self) -> np.ndarray | None:
         """The admission sketch's counters (for checkpoints), None when admission is off."""
+        self.settle()
         return None if self.admission is None else self.admission.table.copy()
 
     def load_admission_state(self, table: np.ndarray | None) -> None:
+        self.settle()
         if self.admission is not None and table is not None:
             self.admission.table[...] = table
 
     def close(self) -> None:
+        self.settle()
         with self._lock:
             if self.shard is None:
                 return
@@ -655,3 +724,20 @@ class EmbeddingStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _DeferredWrite:
+    """Rows ``EmbeddingStore.defer_write`` holds, and the thread that writes them."""
+
+    def __init__(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        self.keys, self.rows = keys, rows
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def run(self, write: Callable[[np.ndarray, np.ndarray], None]) -> None:
+        try:
+            for start in range(0, self.keys.shape[0], _DEFERRED_CHUNK):
+                end = start + _DEFERRED_CHUNK
+                write(self.keys[start:end], self.rows[start:end])
+        except BaseException as e:  # raised by the settle that waits for it
+            self.error = e

@@ -4,7 +4,10 @@
         rows = table.pull(window.exchange)      # working set [U, row] from the owners
         for batch in window: local step         # gather -> model -> loss -> backward -> lazy/dense Adam
         merger.merge(dense params, Adam moments, flags)   # one grouped allreduce
-        table.push(window.exchange, rows)       # owners average each row over its contributors
+        next window = source.next()             # its keys are at their owners (the warm)
+        table.push(window.exchange, rows, ahead=next window)  # owners average each row over its
+                                                # contributors; write now what the next window holds,
+                                                # the rest beside its steps (storage.defer_writes)
         maybe checkpoint; stop if any rank asked
 
 A window arrives routed (its keys' owners, computed once where it was built, in its
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 STOP, CHECKPOINT = 0, 1  # indices of the control flags carried by the merge
+_NOT_TAKEN = object()  # _train_window did not take the next window from the source
 
 
 class Trainer:
@@ -126,7 +130,8 @@ class Trainer:
 
         # comm: allgather of shard-creation errors (a full disk is one rank's: no rank waits alone)
         store = self.comm.agree(create, name="shard.create")
-        return store, ShardedTable(self.comm, store, owner, self.device, self.merge_cfg.sparse_rule)
+        return store, ShardedTable(self.comm, store, owner, self.device, self.merge_cfg.sparse_rule,
+                                   defer_writes=self.cfg.storage.defer_writes)
 
     def _build_heap_trimmer(self) -> HeapTrimmer:
         """storage.heap_trim: the C heaps' free pages back to the system after each window."""
@@ -185,8 +190,9 @@ class Trainer:
         eval_every = self.cfg.metrics.eval_every_windows
         self.meter.start(self.state.step)
         try:
-            while (window := source.next()) is not None:
-                flags = self._train_window(window)
+            window = source.next()
+            while window is not None:
+                flags, following = self._train_window(window, source)
                 self._advance(window, schedule)
                 if self.state.batch == 0:
                     self._end_pass()
@@ -201,6 +207,7 @@ class Trainer:
                 with self.meter.phase("merge"):  # the window's end: its freed arrays
                     self.heap.trim()
                 self.meter.maybe_log(self.state.step, total, self._progress_extra())
+                window = source.next() if following is _NOT_TAKEN else following
         finally:
             source.close()
         self.meter.seconds["io"] += source.read_seconds if not self.cfg.data.prefetch else 0.0
@@ -241,12 +248,14 @@ class Trainer:
             log.info(f"pass {self.store.pass_index} done: rank {self.comm.rank} dropped {dropped} rows "
                      f"unseen for {self.cfg.storage.ttl_passes} passes")
 
-    def _train_window(self, w: Window) -> list[int]:
+    def _train_window(self, w: Window, source: WindowSource) -> tuple[list[int], Window | None | object]:
+        """Window w's pull, local steps, merge and push: (the merge's flags, the next window where
+        it was taken before the push, else _NOT_TAKEN)."""
         with self.meter.phase("pull"):
             rows = self.table.pull(w.exchange_keys, name=f"window{w.index}.pull")  # sends no keys after a warm
         self._ws_rows = int(rows.shape[0])
         if self.cfg.merge.mode is MergeMode.SYNC:
-            return self._sync_step(w, rows)
+            return self._sync_step(w, rows), _NOT_TAKEN
         every = self.merge_cfg.dense_every_steps
         for i in range(w.num_batches):
             with self.meter.phase("compute"):
@@ -258,10 +267,20 @@ class Trainer:
             t0 = time.perf_counter()
             moments = self._moments()
             flags = self.reducer.merge(moments, self._flags(), name=f"window{w.index}.merge")
+            merge_s = time.perf_counter() - t0
+        # The next window, taken before the push where the owners may write after its pull the
+        # rows it does not hold (storage.defer_writes): its warm sent its keys to them. Not
+        # after a stop: the prefetch thread then starts no window past the next (prefetch.py).
+        following: Window | None | object = _NOT_TAKEN
+        if self.table.defer_writes and self.cfg.data.prefetch and not flags[STOP]:
+            following = source.next()
+        ahead = following.exchange if isinstance(following, Window) else None
+        with self.meter.phase("merge"):
+            t0 = time.perf_counter()
             # rows only: the owners kept the keys; steps: what merge.sparse_rule = matched reads
-            self.table.push(w.exchange_keys, rows, name=f"window{w.index}.push", steps=w.num_batches)
-            self._merge_ms = 1e3 * (time.perf_counter() - t0)
-        return flags
+            self.table.push(w.exchange_keys, rows, name=f"window{w.index}.push", steps=w.num_batches, ahead=ahead)
+            self._merge_ms = 1e3 * (merge_s + time.perf_counter() - t0)
+        return flags, following
 
     def _flags(self) -> list[int]:
         return [self.stop.requested, self.stop.requested]  # a stop always checkpoints first

@@ -8,7 +8,7 @@ import torch
 
 from hvctr.kernels import unique_in_order
 from hvctr.kernels import native as _native
-from hvctr.storage.exchange import Asked, _pack, _unpack, merge_asked, merge_by_key, merge_messages
+from hvctr.storage.exchange import Asked, _pack, _unpack, held_by, merge_asked, merge_by_key, merge_messages
 
 
 def _messages(width, seed=0, ranks=3, per_rank=400):
@@ -79,3 +79,17 @@ def test_pack_puts_each_key_before_its_row_in_the_given_order():
         assert _pack(keys, values, order).numpy().tobytes() == packed
     empty = merge_messages(_pack(keys[:0], values[:0], order[:0]), [0, 0], True)
     assert [a.shape[0] for a in empty] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["C", "numpy"])
+def test_held_by_says_which_keys_the_next_window_holds(native):
+    """What a push writes at once (held by the next window) and what it defers."""
+    rng = np.random.default_rng(3)
+    keys = rng.permutation(np.unique(rng.integers(0, 2**64 - 2, 5000, dtype=np.uint64)))
+    held = np.unique(np.concatenate((rng.choice(keys, 1200, replace=False),
+                                     rng.integers(0, 2**64 - 2, 700, dtype=np.uint64))))
+    held = held[rng.permutation(held.size)]
+    with _native.disabled() if not native else contextlib.nullcontext():
+        got = held_by(keys, held)
+    np.testing.assert_array_equal(got, np.isin(keys, held))
+    assert got.sum() == 1200 and not held_by(keys, held[:0]).any()

@@ -308,3 +308,55 @@ def test_a_row_written_while_the_warm_reads_it_is_not_cached_old(tmp_path):
     assert store.counters["fenced_warm_rows"] == 10
     assert store.counters["warmed_rows"] == 10  # the other half, unchanged
     store.close()
+
+
+def test_deferred_writes_beside_reads_of_other_keys_and_a_warm_thread(tmp_path, monkeypatch):
+    """A window's rows the next window does not hold are written by a thread of their own while
+    the next window's rows are read and a warm thread runs (storage.defer_writes): every read
+    returns what was written last, whatever it waited for."""
+    monkeypatch.setattr(store_module, "_DEFERRED_CHUNK", 7)  # many locked steps: the warm interleaves
+    cfg = _cfg(60)
+    uni = _universe()
+    store = EmbeddingStore(cfg, tmp_path / "s.h5")
+    ref = init_rows(uni, LAYOUT, cfg.init_scale, cfg.seed)
+    store.write(uni, ref)
+    stop = threading.Event()
+
+    def prefetch():
+        rng = np.random.default_rng(9)
+        while not stop.is_set():
+            store.warm(uni[np.unique(rng.integers(0, N_KEYS, 300))])
+
+    th = threading.Thread(target=prefetch)
+    th.start()
+    try:
+        windows = [idx for idx, _ in _batches("zipf", 41, seed=4, size=300)]
+        for now, after in zip(windows, windows[1:]):
+            later = np.setdiff1d(now, after)  # written after the next window's read
+            ref[now] = store.read(uni[now], deferred_ok=False) + 1
+            held = np.intersect1d(now, after)
+            store.write(uni[held], ref[held])
+            store.defer_write(uni[later], ref[later])
+            np.testing.assert_array_equal(store.read(uni[after], deferred_ok=True), ref[after])
+            store.start_deferred()  # beside the next window's steps
+    finally:
+        stop.set()
+        th.join()
+    assert store.stats()["deferred_rows"] > 0 and store.stats()["warmed_rows"] > 0
+    np.testing.assert_array_equal(store.read(uni), ref)  # a plain read waits for the last of them
+    store.defer_write(uni[:5], ref[:5] + 2)  # held, never started: the checkpoint's flush writes it
+    ref[:5] += 2
+    keys, rows = map(np.concatenate, zip(*store.iter_rows()))
+    np.testing.assert_array_equal(rows[np.argsort(keys)], ref[np.argsort(uni)])
+    store.close()
+
+
+def test_a_failed_deferred_write_is_raised_where_its_rows_are_waited_for(tmp_path):
+    store = EmbeddingStore(_cfg(0), tmp_path / "s.h5")
+    keys = _universe()[:10]
+    store.defer_write(keys, np.zeros((10, LAYOUT.width), np.float32))
+    store.shard.write_rows = None  # the thread's write-back fails (no cache: every row goes to the shard)
+    store.start_deferred()
+    with pytest.raises(RuntimeError, match=r"rank 0: writing a window's rows to .*s\.h5 after the next window's "
+                                           r"pull failed"):
+        store.read(keys)
