@@ -8,10 +8,11 @@ write-back run beside the prefetch: ``_Fence`` keeps what they wrote meanwhile f
 cached old).
 
 ``defer_write`` hands over rows that nothing reads before the next window trains (the push's
-rows the next window does not hold, hvctr.storage.exchange); ``start_deferred`` writes them on
-a thread of their own, a chunk at a time, while that window trains. Every other method but
-``warm`` and the counters waits for them first (``settle``), ``read`` too unless its caller
-says its keys are not among them: no reader ever sees a deferred row old.
+rows the next window does not hold, hvctr.storage.exchange), with their places (cache entry or
+shard position) looked up at once, while the shard still remembers them; ``start_deferred``
+writes them on a thread of their own while that window trains. Every other method waits for
+them first (``settle``; ``warm``, in the prefetch thread, until that thread is done), ``read``
+too unless its caller says its keys are not among them: no reader ever sees a deferred row old.
 
 Reads go cache -> shard -> new row. A new key is admitted once it has been counted
 ``storage.admit_after`` times (online, in a count-min sketch); until then it reads the shared
@@ -27,7 +28,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 
@@ -41,7 +42,6 @@ from hvctr.formats import RowLayout, default_row, init_rows
 from hvctr.storage.shard import Shard, recent_positions_for, strictly_increasing
 
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
-_DEFERRED_CHUNK = 1 << 15  # rows per locked step of a deferred write (the prefetch's warm interleaves)
 _FLUSH_CHUNK_BYTES = 64 << 20  # rows written per step of flush()
 _CLEAN_GENERATION = -1  # row_meta generation of bulk-loaded rows: in no checkpoint delta
 
@@ -165,6 +165,7 @@ class EmbeddingStore:
         self._fences: list[_Fence] = []  # warm()'s reads in flight outside the lock
         self._epoch = 0  # bumped where rows move or the shard closes: a read in flight is dropped whole
         self._deferred: _DeferredWrite | None = None  # rows handed over by defer_write, not yet all stored
+        self._deferred_done = threading.Condition(self._lock)  # warm() waits on it
         self.counters = dict.fromkeys(
             ("created", "unadmitted_reads", "dropped_writes", "writeback_rows", "writethrough_rows",
              "warmed_rows", "fenced_warm_rows", "readonly_init_rows", "deferred_rows"), 0)
@@ -230,24 +231,45 @@ class EmbeddingStore:
 
     def defer_write(self, keys: np.ndarray, rows: np.ndarray) -> None:
         """``write(keys, rows)`` later: held until ``start_deferred`` writes them on a thread, or
-        until any method but ``warm`` (and ``read(..., deferred_ok=True)``) needs them stored.
-        The caller promises that nothing reads these keys before then, but through this store."""
+        until any other method needs them stored. The caller promises that nothing reads these
+        keys before then, but through this store, and that only ``read(..., deferred_ok=True)``
+        of other keys comes first. Their places are looked up now: the shard's recent positions
+        hold them now, not after the next window's lookups."""
         self.settle()
         keys = _unique_keys(keys)
         rows = np.asarray(rows, dtype=np.float32)
         self._check_rows(keys, rows)
-        if keys.size:
-            self._deferred = _DeferredWrite(keys, rows)
+        if keys.size == 0:
+            return
+        with self._lock, self._timed():
+            ent = self.cache.lookup(keys, "peek")
+            pos = np.empty(keys.shape[0], dtype=np.int64)
+            cached = ent >= 0
+            pos[cached] = self.cache.pos[ent[cached]]  # an eviction meanwhile writes it back there
+            miss = np.flatnonzero(~cached)
+            if miss.size:
+                with self._timed(shard=True), self.shard.attributed("push"):
+                    pos[miss] = self.shard.lookup(keys[miss])
+            self._deferred = _DeferredWrite(keys, rows, pos)
             self.counters["deferred_rows"] += keys.size
 
     def start_deferred(self) -> None:
-        """Writes the deferred rows on a thread of their own, ``_DEFERRED_CHUNK`` rows per locked
-        step; returns at once."""
+        """Writes the deferred rows on a thread of their own; returns at once."""
         d = self._deferred
         if d is not None and d.thread is None:
-            d.thread = threading.Thread(target=d.run, args=(self._write_now,), daemon=True,
+            d.thread = threading.Thread(target=self._write_deferred, args=(d,), daemon=True,
                                         name=f"hvctr-deferred-write-{self.shard.rank}")
             d.thread.start()
+
+    def _write_deferred(self, d: "_DeferredWrite") -> None:
+        try:
+            self._write_now(d.keys, d.rows, d.pos)
+        except BaseException as e:  # raised by the settle that waits for it
+            d.error = e
+        finally:
+            with self._lock:
+                d.done = True
+                self._deferred_done.notify_all()
 
     def settle(self) -> None:
         """Returns once the deferred rows are stored (writing them here if no thread took them);
@@ -255,14 +277,33 @@ class EmbeddingStore:
         d = self._deferred
         if d is None or threading.current_thread() is d.thread:
             return
-        self._deferred = None
         if d.thread is None:
-            self._write_now(d.keys, d.rows)
+            try:
+                self._write_now(d.keys, d.rows, d.pos)
+            finally:
+                with self._lock:
+                    self._deferred, d.done = None, True
+                    self._deferred_done.notify_all()
             return
         d.thread.join()
+        with self._lock:
+            self._deferred = None
         if d.error is not None:
             raise RuntimeError(f"rank {self.shard.rank if self.shard else '?'}: writing a window's rows to "
                                f"{self.path} after the next window's pull failed: {d.error}") from d.error
+
+    def _await_deferred(self) -> None:
+        """warm()'s wait for the deferred rows (from the prefetch thread, which must not write
+        them itself: the training thread starts them after its pull). A warm beside them would
+        read rows about to change and compete for the lock and the device."""
+        if self._deferred is None:
+            return
+        if threading.current_thread() is threading.main_thread():
+            self.settle()
+            return
+        with self._lock:
+            while self._deferred is not None and not self._deferred.done:
+                self._deferred_done.wait()
 
     def thread_times(self) -> tuple[float, float]:
         """(seconds in store methods, of which in shard calls) spent by the calling thread."""
@@ -380,7 +421,9 @@ class EmbeddingStore:
         if rows.shape != (keys.shape[0], self.layout.width):
             raise ValueError(f"write: rows of shape {rows.shape} for {keys.shape[0]} keys of width {self.layout.width}")
 
-    def _write_now(self, keys: np.ndarray, rows: np.ndarray) -> None:
+    def _write_now(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray | None = None) -> None:
+        """write() after its checks; ``pos``: each key's shard position where known (a deferred
+        write's, looked up at defer_write), else looked up here for the keys the cache lacks."""
         with self._lock, self._timed():
             ent = self.cache.lookup(keys, "pin")
             self.cache.put(ent, rows)
@@ -388,13 +431,16 @@ class EmbeddingStore:
             if miss.size:
                 with self.shard.attributed("push"):
                     if miss.size == keys.shape[0]:  # every key missed (a small cache): no copy of the rows
-                        self._write_misses(keys, rows)
+                        self._write_misses(keys, rows, pos)
                     else:
-                        self._write_misses(keys[miss], rows[miss])
+                        self._write_misses(keys[miss], rows[miss], None if pos is None else pos[miss])
 
-    def _write_misses(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        with self._timed(shard=True):
-            pos = self.shard.lookup(keys)
+    def _write_misses(self, keys: np.ndarray, rows: np.ndarray, known: np.ndarray | None = None) -> None:
+        if known is not None and np.all(known >= 0):
+            pos = known.copy()  # _cache_insert's slice of it may be kept
+        else:
+            with self._timed(shard=True):
+                pos = self.shard.lookup(keys)
         new = np.flatnonzero(pos < 0)
         admitted = self._admit(keys[new], count=False)
         self.counters["dropped_writes"] += int(np.count_nonzero(~admitted))
@@ -432,6 +478,7 @@ class EmbeddingStore:
         was being read may have been read old: it is not cached (``_Fence``), nor is a key the
         cache took meanwhile (the cache's copy is newer or the same).
         """
+        self._await_deferred()
         keys = _unique_keys(keys)
         recent = self.shard.recent
         ahead = recent.size // 2 if recent is not None else 0  # positions it may look up past the rows it holds
@@ -727,17 +774,10 @@ class EmbeddingStore:
 
 
 class _DeferredWrite:
-    """Rows ``EmbeddingStore.defer_write`` holds, and the thread that writes them."""
+    """Rows ``EmbeddingStore.defer_write`` holds, their shard positions, and the thread that writes them."""
 
-    def __init__(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        self.keys, self.rows = keys, rows
+    def __init__(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> None:
+        self.keys, self.rows, self.pos = keys, rows, pos
         self.thread: threading.Thread | None = None
+        self.done = False
         self.error: BaseException | None = None
-
-    def run(self, write: Callable[[np.ndarray, np.ndarray], None]) -> None:
-        try:
-            for start in range(0, self.keys.shape[0], _DEFERRED_CHUNK):
-                end = start + _DEFERRED_CHUNK
-                write(self.keys[start:end], self.rows[start:end])
-        except BaseException as e:  # raised by the settle that waits for it
-            self.error = e

@@ -208,6 +208,12 @@ class Trainer:
                     self.heap.trim()
                 self.meter.maybe_log(self.state.step, total, self._progress_extra())
                 window = source.next() if following is _NOT_TAKEN else following
+        except BaseException:
+            # the prefetch thread's warm may wait for rows a push deferred: store them, so that
+            # it ends and the thread stops (the error raised is the one that stopped training)
+            with contextlib.suppress(Exception):
+                self.store.settle()
+            raise
         finally:
             source.close()
         self.meter.seconds["io"] += source.read_seconds if not self.cfg.data.prefetch else 0.0

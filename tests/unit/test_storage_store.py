@@ -310,11 +310,10 @@ def test_a_row_written_while_the_warm_reads_it_is_not_cached_old(tmp_path):
     store.close()
 
 
-def test_deferred_writes_beside_reads_of_other_keys_and_a_warm_thread(tmp_path, monkeypatch):
-    """A window's rows the next window does not hold are written by a thread of their own while
-    the next window's rows are read and a warm thread runs (storage.defer_writes): every read
-    returns what was written last, whatever it waited for."""
-    monkeypatch.setattr(store_module, "_DEFERRED_CHUNK", 7)  # many locked steps: the warm interleaves
+def test_deferred_writes_beside_reads_of_other_keys_and_a_warm_thread(tmp_path):
+    """A window's rows the next window does not hold are written by a thread of their own after
+    the next window's rows are read, a warm thread waiting for them (storage.defer_writes):
+    every read returns what was written last, and the deferred write reads no index block."""
     cfg = _cfg(60)
     uni = _universe()
     store = EmbeddingStore(cfg, tmp_path / "s.h5")
@@ -343,6 +342,7 @@ def test_deferred_writes_beside_reads_of_other_keys_and_a_warm_thread(tmp_path, 
         stop.set()
         th.join()
     assert store.stats()["deferred_rows"] > 0 and store.stats()["warmed_rows"] > 0
+    assert store.shard_traffic().get("push", {}).get("index_blocks_read", 0) == 0
     np.testing.assert_array_equal(store.read(uni), ref)  # a plain read waits for the last of them
     store.defer_write(uni[:5], ref[:5] + 2)  # held, never started: the checkpoint's flush writes it
     ref[:5] += 2
@@ -355,7 +355,7 @@ def test_a_failed_deferred_write_is_raised_where_its_rows_are_waited_for(tmp_pat
     store = EmbeddingStore(_cfg(0), tmp_path / "s.h5")
     keys = _universe()[:10]
     store.defer_write(keys, np.zeros((10, LAYOUT.width), np.float32))
-    store.shard.write_rows = None  # the thread's write-back fails (no cache: every row goes to the shard)
+    store.shard.write_rows = None  # the thread's write fails (no cache: every row goes to the shard)
     store.start_deferred()
     with pytest.raises(RuntimeError, match=r"rank 0: writing a window's rows to .*s\.h5 after the next window's "
                                            r"pull failed"):
