@@ -151,8 +151,9 @@ class StorageConfig:
     # trains (a thread beside it, from the end of its pull): the window's end waits for the
     # rows both windows hold alone. The same values (every other reader waits for them). Needs
     # data.prefetch (the next window's keys are at their owners before the push); not with
-    # storage.admit_after > 1
-    defer_writes: bool = True
+    # storage.admit_after > 1. Off: it needs a core to spare per rank (on 2 cores for 2 ranks,
+    # 0.99x in memory and 0.97-1.00x out of core, docs/storage.md)
+    defer_writes: bool = False
     # give the free pages of the C heaps back to the system (malloc_trim) after each window: the
     # window's freed arrays, otherwise kept by the process where a memory limit wants them for
     # the page cache (hvctr.heap)

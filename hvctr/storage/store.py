@@ -11,7 +11,7 @@ cached old).
 rows the next window does not hold, hvctr.storage.exchange), with their places (cache entry or
 shard position) looked up at once, while the shard still remembers them; ``start_deferred``
 writes them on a thread of their own while that window trains. Every other method waits for
-them first (``settle``; ``warm``, in the prefetch thread, until that thread is done), ``read``
+them first (``settle``; ``warm``, in the prefetch thread, until that thread starts), ``read``
 too unless its caller says its keys are not among them: no reader ever sees a deferred row old.
 
 Reads go cache -> shard -> new row. A new key is admitted once it has been counted
@@ -257,9 +257,11 @@ class EmbeddingStore:
         """Writes the deferred rows on a thread of their own; returns at once."""
         d = self._deferred
         if d is not None and d.thread is None:
-            d.thread = threading.Thread(target=self._write_deferred, args=(d,), daemon=True,
-                                        name=f"hvctr-deferred-write-{self.shard.rank}")
-            d.thread.start()
+            with self._lock:
+                d.thread = threading.Thread(target=self._write_deferred, args=(d,), daemon=True,
+                                            name=f"hvctr-deferred-write-{self.shard.rank}")
+                d.thread.start()
+                self._deferred_done.notify_all()  # a warm waiting for the pull goes on beside it
 
     def _write_deferred(self, d: "_DeferredWrite") -> None:
         try:
@@ -293,16 +295,18 @@ class EmbeddingStore:
                                f"{self.path} after the next window's pull failed: {d.error}") from d.error
 
     def _await_deferred(self) -> None:
-        """warm()'s wait for the deferred rows (from the prefetch thread, which must not write
-        them itself: the training thread starts them after its pull). A warm beside them would
-        read rows about to change and compete for the lock and the device."""
-        if self._deferred is None:
+        """warm()'s wait for deferred rows no thread writes yet (from the prefetch thread, which
+        must not write them itself: the training thread starts them after its pull). Until that
+        pull, its window's warmed rows are held in the cache and the next warm would find no
+        room; from then on the two run beside each other, as a warm and a push always did."""
+        d = self._deferred
+        if d is None or d.thread is not None:
             return
         if threading.current_thread() is threading.main_thread():
             self.settle()
             return
         with self._lock:
-            while self._deferred is not None and not self._deferred.done:
+            while self._deferred is d and d.thread is None:
                 self._deferred_done.wait()
 
     def thread_times(self) -> tuple[float, float]:

@@ -96,6 +96,7 @@ class WindowSource:
             self._thread = threading.Thread(target=self._run, name="hvctr-prefetch", daemon=True)
             self._thread.start()
             self._requests.put(True)  # the first window
+        self._unrequested = False  # a window was returned whose following one is not asked for yet
 
     # --- producing windows (thread or main) -----------------------------------------------
 
@@ -138,7 +139,11 @@ class WindowSource:
 
     # --- consuming (main thread) ---------------------------------------------------------
 
-    def next(self) -> Window | None:
+    def next(self, prepare_following: bool = True) -> Window | None:
+        """The next window. ``prepare_following=False``: the thread waits for ``prepare_following()``
+        before it starts the one after (the trainer takes a window before its predecessor's push
+        and lets the following warm start only after that window's pull: the warm's rows would
+        find the cache's room still held by that pull's)."""
         if not self._prefetch:
             return self._produce()
         deadline = time.monotonic() + self._timeout_s
@@ -156,8 +161,16 @@ class WindowSource:
         if kind == "error":
             raise RuntimeError(f"prefetch thread failed: {item!r}") from item  # type: ignore[arg-type]
         if item is not None:
-            self._requests.put(True)  # window t taken: start preparing t+1
+            self._unrequested = True
+            if prepare_following:
+                self.prepare_following()
         return item  # type: ignore[return-value]
+
+    def prepare_following(self) -> None:
+        """Lets the thread start the window after the one ``next`` returned last (once)."""
+        if self._prefetch and self._unrequested:
+            self._unrequested = False
+            self._requests.put(True)  # window t taken: start preparing t+1
 
     def close(self) -> None:
         """Stops after the window in preparation (every rank stops at the same one)."""

@@ -259,6 +259,7 @@ class Trainer:
         it was taken before the push, else _NOT_TAKEN)."""
         with self.meter.phase("pull"):
             rows = self.table.pull(w.exchange_keys, name=f"window{w.index}.pull")  # sends no keys after a warm
+        source.prepare_following()  # w was taken before the last push: its following warm starts now
         self._ws_rows = int(rows.shape[0])
         if self.cfg.merge.mode is MergeMode.SYNC:
             return self._sync_step(w, rows), _NOT_TAKEN
@@ -276,10 +277,11 @@ class Trainer:
             merge_s = time.perf_counter() - t0
         # The next window, taken before the push where the owners may write after its pull the
         # rows it does not hold (storage.defer_writes): its warm sent its keys to them. Not
-        # after a stop: the prefetch thread then starts no window past the next (prefetch.py).
+        # after a stop: the prefetch thread then starts no window past the next (prefetch.py);
+        # the one after it, not before its pull (prepare_following above).
         following: Window | None | object = _NOT_TAKEN
         if self.table.defer_writes and self.cfg.data.prefetch and not flags[STOP]:
-            following = source.next()
+            following = source.next(prepare_following=False)
         ahead = following.exchange if isinstance(following, Window) else None
         with self.meter.phase("merge"):
             t0 = time.perf_counter()

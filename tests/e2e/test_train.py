@@ -53,13 +53,13 @@ def test_validation_during_training_is_logged_and_read_only(dataset, tmp_path):
 
 @pytest.mark.parametrize("cache_bytes", ["2e5", "1e9"], ids=["cache10pct", "cache100pct"])
 def test_prefetch_on_off_bit_equal(dataset, tmp_path, cache_bytes):
-    """Prefetch on writes the rows the next window does not hold after its pull
-    (storage.defer_writes), beside its steps; off writes every row at the window's end: the
-    same model either way, and with the deferral turned off."""
+    """With storage.defer_writes, prefetch on writes the rows the next window does not hold
+    after its pull, beside its steps; off writes every row at the window's end: the same model
+    either way, and as the default (prefetch on, every row written at the window's end)."""
     flags = ["--merge.every_k_steps=4", f"--storage.cpu_cache_bytes={cache_bytes}", "--train.max_steps=24"]
-    train(2, tmp_path / "on", dataset, *flags, "--data.prefetch=true")
-    train(2, tmp_path / "off", dataset, *flags, "--data.prefetch=false")
-    train(2, tmp_path / "now", dataset, *flags, "--data.prefetch=true", "--storage.defer_writes=false")
+    train(2, tmp_path / "on", dataset, *flags, "--data.prefetch=true", "--storage.defer_writes=true")
+    train(2, tmp_path / "off", dataset, *flags, "--data.prefetch=false", "--storage.defer_writes=true")
+    train(2, tmp_path / "now", dataset, *flags, "--data.prefetch=true")
     deferred = [json.loads((tmp_path / run / "summary.json").read_text())["store"]["deferred_rows"]
                 for run in ("on", "off", "now")]
     assert deferred[0] > 0 and deferred[1:] == [0, 0], deferred
