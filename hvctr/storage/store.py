@@ -296,13 +296,13 @@ class EmbeddingStore:
 
     def _await_deferred(self) -> None:
         """warm()'s wait for deferred rows no thread writes yet (from the prefetch thread, which
-        must not write them itself: the training thread starts them after its pull). Until that
+        must not write them itself: the thread that deferred them starts them after its pull). Until that
         pull, its window's warmed rows are held in the cache and the next warm would find no
         room; from then on the two run beside each other, as a warm and a push always did."""
         d = self._deferred
         if d is None or d.thread is not None:
             return
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is d.owner:  # no other thread would start them
             self.settle()
             return
         with self._lock:
@@ -782,6 +782,7 @@ class _DeferredWrite:
 
     def __init__(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> None:
         self.keys, self.rows, self.pos = keys, rows, pos
+        self.owner = threading.current_thread()  # the thread that deferred them, and starts or settles them
         self.thread: threading.Thread | None = None
         self.done = False
         self.error: BaseException | None = None
