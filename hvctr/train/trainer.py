@@ -4,10 +4,10 @@
         rows = table.pull(window.exchange)      # working set [U, row] from the owners
         for batch in window: local step         # gather -> model -> loss -> backward -> lazy/dense Adam
         merger.merge(dense params, Adam moments, flags)   # one grouped allreduce
-        next window = source.next()             # its keys are at their owners (the warm)
-        table.push(window.exchange, rows, ahead=next window)  # owners average each row over its
-                                                # contributors; write now what the next window holds,
-                                                # the rest beside its steps (storage.defer_writes)
+        table.push(window.exchange, rows)       # owners average each row over its contributors
+                                                # (storage.defer_writes: the next window is taken first,
+                                                # and owners write now only the rows it holds, the rest
+                                                # beside its steps, from the end of its pull)
         maybe checkpoint; stop if any rank asked
 
 A window arrives routed (its keys' owners, computed once where it was built, in its
