@@ -58,6 +58,7 @@ from hvctr.storage import routing as _routing
 from hvctr.storage import store as _store
 from hvctr.storage.routing import Routing
 from hvctr.storage.row_merge import contributor_spread, merged_rows
+from hvctr.storage.shared_rows import SharedRows, choose_owned
 from hvctr.storage.store import EmbeddingStore, as_keys, require_unique
 
 if TYPE_CHECKING:
@@ -148,10 +149,13 @@ class WindowExchange:
     its keys and, once they were sent (by warm, else by the first pull), what this rank was
     asked as their owner. ShardedTable fills ``asked``; with it, pull and push send no keys.
     ``pulled``: the rows this rank answered the pull with as an owner (``asked.uniq``'s), kept
-    for the push where merge.sparse_rule reads them (matched), so they are not read again."""
+    for the push where merge.sparse_rule reads them (matched), so they are not read again.
+    ``shared``: the rows its steps synchronise (merge.shared_rows, hvctr.storage.shared_rows),
+    chosen by the pull."""
     routing: Routing
     asked: Asked | None = None
     pulled: np.ndarray | None = None
+    shared: SharedRows | None = None
 
 
 Exchange = WindowExchange | Keys  # what warm, pull and push take
@@ -218,12 +222,14 @@ class ShardedTable:
 
     def __init__(self, comm: "Comm", store: EmbeddingStore, bucket_owner: np.ndarray,
                  device: torch.device | str = "cpu", sparse_rule: SparseRule = SparseRule.AVERAGE,
-                 defer_writes: bool = False) -> None:
+                 defer_writes: bool = False, shared_rows: int = 0) -> None:
         """``defer_writes`` (storage.defer_writes): a push given the next window's exchange writes
         the rows that window does not hold after its pull (the module docstring). Off where the
         store admits keys by count (storage.admit_after > 1): the pull's counts would come
-        between a deferred row's push and its write."""
+        between a deferred row's push and its write. ``shared_rows`` (merge.shared_rows): a pull of
+        a WindowExchange chooses at most that many rows its steps synchronise (``shared``)."""
         self.comm, self.store = comm, store
+        self.shared_rows = int(shared_rows)
         self.defer_writes = defer_writes and store.admission is None
         self._ahead: WindowExchange | None = None  # the exchange whose pull may run beside deferred rows
         if sparse_rule is SparseRule.AUTO:
@@ -321,12 +327,38 @@ class ShardedTable:
         # the window the last push wrote ahead of: the rows it left to write are none of its own
         ahead, self._ahead = self._ahead is not None and keys is self._ahead, None
         read = functools.partial(self.store.read, deferred_ok=ahead)
-        rows, asked = self._answer(self._routed(keys), name, "pull", read, asked, keep=window)
-        if isinstance(keys, WindowExchange):
-            keys.asked = asked
+        r = self._routed(keys)
+        rows, asked = self._answer(r, name, "pull", read, asked, keep=window)
+        if window is not None:
+            window.asked = asked
+            if self.shared_rows:
+                window.shared = self._share(r, asked, name)
         if ahead:
             self.store.start_deferred()  # while this window trains
         return rows
+
+    def _share(self, r: Routing, asked: Asked, name: str) -> SharedRows:
+        """The pulled window's shared rows (hvctr.storage.shared_rows): each owner chooses among
+        the keys it was asked for and numbers them after the owners before it; each rank learns
+        the numbers of its own working set's rows."""
+        with self._call("share") as rec:
+            asked_by = np.bincount(asked.inverse, minlength=asked.uniq.shape[0])
+            owned = choose_owned(asked_by, self.shared_rows, self.comm.size)
+            t0 = time.perf_counter()
+            # comm: allgather of each owner's count of shared rows (one int64 a rank)
+            counts = self.comm.allgather(torch.tensor([owned.size], dtype=torch.int64), f"{name}.shared.n").numpy()
+            rec["exchange_s"] += time.perf_counter() - t0
+            first = int(counts[:self.comm.rank].sum())
+            number = np.full(asked.uniq.shape[0], -1, dtype=np.int64)
+            number[owned] = first + np.arange(owned.size, dtype=np.int64)
+            back, _ = self._alltoall(rec, torch.from_numpy(number[asked.inverse]), asked.received, f"{name}.shared")
+            mine = back.numpy()
+            if not r.in_order:  # to working-set order, as the pull's rows
+                ordered = np.empty(len(r), dtype=np.int64)
+                ordered[r.order] = mine
+                mine = ordered
+            positions = np.flatnonzero(mine >= 0)
+            return SharedRows(int(counts.sum()), positions, mine[positions], owned)
 
     def read_only(self, keys: Keys, name: str) -> torch.Tensor:
         """Like pull, for evaluation: owners insert and count nothing (unseen keys: init rows)."""
@@ -362,6 +394,7 @@ class ShardedTable:
         self._ahead = None
         r = self._routed(keys)
         asked = self._kept(keys, name)
+        firsts = None  # merge.shared_rows: the owner's shared rows and the one value their holders sent
         with self._call("push") as rec:
             values = _host(rows, (len(r), self.width))
             if asked is None:
@@ -380,6 +413,10 @@ class ShardedTable:
                                      f"{asked.received} (a push of other keys than the window's)")
                 uniq, mean, count = merge_asked(got.numpy(), asked, divide=True)
                 copies, inverse = got.numpy(), asked.inverse
+                shared = keys.shared if isinstance(keys, WindowExchange) else None
+                if shared is not None and shared.owned.size:  # every holder sent the same bits: the first
+                    at = shared.owned if uniq is asked.uniq else np.searchsorted(uniq, asked.uniq[shared.owned])
+                    firsts = (at, copies[asked.first[shared.owned]])
                 if self.sparse_rule is SparseRule.AVERAGE:  # the copies are merged: freed before the write
                     del got, copies
             if self.sparse_rule is not SparseRule.AVERAGE:
@@ -391,6 +428,8 @@ class ShardedTable:
                 spread = (contributor_spread(copies, inverse, old, count, self.store.layout)
                           if self.sparse_rule is SparseRule.MATCHED else None)
                 mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count, spread, steps)
+            if firsts is not None:
+                mean[firsts[0]] = firsts[1]
             self._store_merged(uniq, mean, ahead)
 
     def _store_merged(self, uniq: np.ndarray, mean: np.ndarray, ahead: WindowExchange | None) -> None:

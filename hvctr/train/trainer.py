@@ -50,6 +50,7 @@ from hvctr.config.resolve import batch_growth, resolve_merge
 from hvctr.train.merger import KStepMerger, SyncGradients
 from hvctr.train.meter import Meter
 from hvctr.train.prefetch import Schedule, WindowSource
+from hvctr.train.row_sync import SharedRowSync
 from hvctr.rundir import private_scratch_dir, working_shard_place
 from hvctr.train.stop import StopRequest
 from hvctr.train.window import Window
@@ -104,6 +105,8 @@ class Trainer:
         self.heap = self._build_heap_trimmer()
         self._ws_rows = 0  # rows of the last window's working set
         self._merge_ms = 0.0  # dense merge + sparse push of the last window
+        self._shared_rows_synced = 0  # merge.shared_rows: rows synchronised, summed over windows
+        self._shared_bytes = 0  # and the bytes of their allreduces (this rank's buffer a step)
         self.preempted = False
         self._checkpointed_step: int | None = None  # the step the newest checkpoint holds (this run's)
         if start:
@@ -131,7 +134,8 @@ class Trainer:
         # comm: allgather of shard-creation errors (a full disk is one rank's: no rank waits alone)
         store = self.comm.agree(create, name="shard.create")
         return store, ShardedTable(self.comm, store, owner, self.device, self.merge_cfg.sparse_rule,
-                                   defer_writes=self.cfg.storage.defer_writes)
+                                   defer_writes=self.cfg.storage.defer_writes,
+                                   shared_rows=self.merge_cfg.shared_rows)
 
     def _build_heap_trimmer(self) -> HeapTrimmer:
         """storage.heap_trim: the C heaps' free pages back to the system after each window."""
@@ -264,9 +268,10 @@ class Trainer:
         if self.cfg.merge.mode is MergeMode.SYNC:
             return self._sync_step(w, rows), _NOT_TAKEN
         every = self.merge_cfg.dense_every_steps
+        shared = self._shared_rows(w, rows)
         for i in range(w.num_batches):
             with self.meter.phase("compute"):
-                self._local_step(w, i, rows)
+                self._local_step(w, i, rows, shared)
             if every and (i + 1) % every == 0 and i + 1 < w.num_batches:
                 with self.meter.phase("merge"):  # the dense model alone, inside the window
                     self.reducer.merge(self._moments(), [0, 0], name=f"window{w.index}.dense{i + 1}")
@@ -312,10 +317,24 @@ class Trainer:
         self.meter.add_loss(float(loss.detach()))
         return sum_embedding_grads(pos, emb.grad, w1.grad, self._batch_unique(w, i))
 
-    def _local_step(self, w: Window, i: int, rows: torch.Tensor) -> None:
+    def _shared_rows(self, w: Window, rows: torch.Tensor) -> SharedRowSync | None:
+        """The rows window w's steps synchronise (merge.shared_rows; the pull chose them)."""
+        shared = w.exchange.shared if w.exchange is not None else None
+        if shared is None or shared.total == 0:  # the same on every rank: the allgathered total
+            return None
+        sync = SharedRowSync(self.comm, shared, int(rows.shape[0]), rows.device)
+        self._shared_rows_synced += shared.total
+        return sync
+
+    def _local_step(self, w: Window, i: int, rows: torch.Tensor, shared: SharedRowSync | None = None) -> None:
         step = self.state.step + i  # this step's index: the same on every rank, and on resume
         idx, g = self._forward_backward(w, i, rows)
-        sparse_adam_step(rows, idx, g, self.lr.sparse(step), self.lr.beta1, self.lr.beta2, self.lr.eps)
+        lr = self.lr.sparse(step)
+        if shared is not None:  # comm: the shared rows' gradients, one allreduce (SharedRowSync)
+            idx, g = shared.split_step(rows, idx, g, lr, self.lr.beta1, self.lr.beta2, self.lr.eps,
+                                       name=f"window{w.index}.shared{i}")
+            self._shared_bytes += shared.total * (g.shape[1] + 1) * 4
+        sparse_adam_step(rows, idx, g, lr, self.lr.beta1, self.lr.beta2, self.lr.eps)
         if getattr(self.reducer, "powersgd", None) is not None:
             self.reducer.average_gradients(name=f"window{w.index}.step{i}")  # comm: two grouped allreduces
         self._set_dense_lr(step)
@@ -514,6 +533,8 @@ class Trainer:
             "dense_bytes_per_sample": self.reducer.bytes_sent * self.comm.size / samples,
             "sparse_exchange_bytes": int(sparse_bytes),
             "sparse_bytes_per_sample": sparse_bytes * self.comm.size / samples,
+            # merge.shared_rows: rows synchronised every step (summed over windows), their allreduces' bytes
+            "shared_rows": {"rows": self._shared_rows_synced, "allreduce_bytes": self._shared_bytes},
             "store": {k: v for k, v in self.store.stats().items() if isinstance(v, (int, float))},
             # the shard's rows and index blocks read, system calls and bytes, by what asked for them
             "shard_traffic": self.store.shard_traffic(),

@@ -87,7 +87,7 @@ def evaluation(run_dir: Path) -> dict:
 
 
 @pytest.mark.parametrize("np_,mode", [(2, "kstep"), (3, "kstep"), (3, "sync"), (3, "kstep-dense2"), (3, "kstep-matched"),
-                                      (3, "kstep-powersgd")])
+                                      (3, "kstep-powersgd"), (3, "kstep-shared")])
 def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
     flags = [*SAME, f"--merge.mode={mode.split('-')[0]}", "--merge.every_k_steps=4"]
     if mode == "sync":
@@ -98,6 +98,8 @@ def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
         flags += ["--merge.sparse_rule=matched"]
     if mode == "kstep-powersgd":  # the dense gradients averaged every step as rank-4 factors
         flags += ["--merge.dense_gradients=powersgd"]
+    if mode == "kstep-shared":  # the rows the most ranks touch synchronised every step, one allreduce a step
+        flags += ["--merge.shared_rows=64"]
     train(np_, tmp_path / "mpi", dataset, *flags)
     r = simulate(np_, tmp_path / "sim", dataset, *flags)
     compare(tmp_path / "mpi", tmp_path / "sim")
@@ -124,6 +126,10 @@ def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
                 assert np.array_equal(v, dense[(files[0], k)]), (f, k)
         s = json.loads((tmp_path / "mpi" / "summary.json").read_text())
         assert s["dense_merge_calls"] == 2 * 24 + 24 // 4  # two allreduces a step, the flags a window
+    if mode == "kstep-shared":  # 64 rows a window (the owners' quotas, 22 each, filled), 24 steps
+        for s in (summary, json.loads((tmp_path / "mpi" / "summary.json").read_text())):
+            assert s["shared_rows"]["rows"] == 66 * (24 // 4)
+            assert s["shared_rows"]["allreduce_bytes"] == 24 * 66 * (8 + 2) * 4
     if np_ == 3 and mode == "kstep":
         # the ascending-rank order differs from OpenMPI's ring: equal within the stated tolerance
         simulate(np_, tmp_path / "sim-rank", dataset, *flags, "--reduce-order=rank")
