@@ -139,6 +139,7 @@ def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows:
                every_k_steps=m.every_k_steps, mode=m.mode,
                states=m.states, compression=m.compression, dense_every_steps=m.dense_every_steps,
                powersgd_rank=m.powersgd_rank if m.dense_gradients is DenseGradients.POWERSGD else 0,
+               shared_rows=m.shared_rows,
                sparse_rule=m.sparse_rule,
                cpu_cache_bytes=s.cpu_cache_bytes,
                max_load_factor=s.max_load_factor, model=cfg.model, pass_rows=pass_rows, prefetch=cfg.data.prefetch,
@@ -226,6 +227,9 @@ def format_plan(p: Plan, rates_from: str) -> str:
     fp16 = ", fp16 on the wire" if j.compression is Compression.FP16 else ""
     if j.powersgd_rank:
         mode = f"kstep k = {j.k} (rows), dense gradients every step (powersgd, rank {j.powersgd_rank})"
+    if f.get("shared_row_bytes_per_step"):
+        mode += (f", {j.shared_rows:,} shared rows synchronised every step "
+                 f"({f['shared_row_bytes_per_step'] / 1e6:.2f} MB a rank a step)")
     overlap = "overlapped" if "no spare core" not in " ".join(p.notes) else "added"
     lines = [
         f"hvctr plan: {j.nodes} node(s) x {j.ranks_per_node} ranks = {f['world_size']} ranks on {n.name} "

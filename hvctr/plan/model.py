@@ -87,6 +87,7 @@ class Job:
     compression: Compression = Compression.NONE
     dense_every_steps: int = 0  # merge.dense_every_steps: dense merges inside a window too
     powersgd_rank: int = 0  # merge.dense_gradients = powersgd: its rank r (0: local dense steps, merged)
+    shared_rows: int = 0  # merge.shared_rows: rows synchronised every step (hvctr.storage.shared_rows)
     sparse_rule: SparseRule = SparseRule.AVERAGE  # resolved: every rule but average keeps the owner's pulled rows to the push
     cpu_cache_bytes: int = 256 << 20
     max_load_factor: float = 0.8
@@ -219,6 +220,15 @@ def powersgd_step_bytes(model: ModelConfig, dim: int, rank: int) -> tuple[int, i
             first += o * i
         first += o if bias else 0
     return 4 * first, 4 * second
+
+
+def shared_row_step_bytes(job: "Job") -> int:
+    """Bytes one rank puts into a step's allreduce of the shared rows (merge.shared_rows): at most
+    ceil(N / W) rows an owner, each its gradient and a touch count, float32."""
+    if not job.shared_rows or job.mode is not MergeMode.KSTEP:
+        return 0
+    W = job.world_size
+    return W * -(-job.shared_rows // W) * 4 * (RowLayout(job.dim).model_width + 1)
 
 
 def dense_payload_bytes(params: int, mode: MergeMode, states: MergeStates, compression: Compression) -> int:
@@ -424,6 +434,8 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     if job.powersgd_rank:  # the gradients' two allreduces every step; the window's end sums the flags alone
         first, second = powersgd_step_bytes(job.model, D, job.powersgd_rank)
         dense_merge = k * (c.allreduce(first) + c.allreduce(second)) + c.allreduce(8)
+    if shared_row_step_bytes(job):  # one more allreduce every step
+        dense_merge += k * c.allreduce(shared_row_step_bytes(job))
     if job.mode is MergeMode.SYNC:
         grad_bytes = KEY_BYTES + 4 * RowLayout(D).model_width
         merge = (dense_merge + 2 * c.unique(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
@@ -525,6 +537,7 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         "push_bytes_per_step": sparse["push"] / k, "dense_payload_bytes_per_step": payload / k,
         "dense_wire_bytes_per_step": payload / k * 2 * (W - 1) / W,
         "sparse_bytes_per_step": sum(sparse.values()) / k,
+        "shared_row_bytes_per_step": shared_row_step_bytes(job),
         **{f"{name}_s_per_step": v / k for name, v in t.items()},
         **{f"shard_{name}_per_window": v for name, v in traffic.items()},
         "shard_reads_from": io.where, "shard_write_behind": behind,

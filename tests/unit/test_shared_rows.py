@@ -131,3 +131,13 @@ def test_config_refuses_shared_rows_outside_kstep():
         load_config(None, ["--merge.shared_rows=-1"])
     with pytest.raises(ValueError, match="merge.shared_rows"):
         load_config(None, ["--merge.mode=sync", "--merge.shared_rows=8"])
+
+
+def test_the_planner_counts_the_shared_rows_allreduce():
+    from hvctr.config import MergeMode
+    from hvctr.plan.model import Job, shared_row_step_bytes
+
+    job = Job(nodes=1, ranks_per_node=3, keys=10**6, dim=8, batch_size_per_rank=256, every_k_steps=4, shared_rows=64)
+    assert shared_row_step_bytes(job) == 66 * (8 + 2) * 4  # 22 rows an owner, D + 1 gradient columns and a count
+    assert shared_row_step_bytes(Job(**{**job.__dict__, "shared_rows": 0})) == 0
+    assert shared_row_step_bytes(Job(**{**job.__dict__, "mode": MergeMode.SYNC})) == 0
