@@ -154,6 +154,10 @@ class StorageConfig:
     # storage.admit_after > 1. Off: it needs a core to spare per rank (on 2 cores for 2 ranks,
     # 0.99x in memory and 0.97-1.00x out of core, docs/storage.md)
     defer_writes: bool = False
+    # pread path: the shard logs where each training window's rows were (16 bytes a key, two files
+    # beside it) and the same window of the next pass reads that back instead of an index block per
+    # cold key (a pass reads the data in the same order as the one before: hvctr.storage.position_log)
+    position_log: bool = True
     # give the free pages of the C heaps back to the system (malloc_trim) after each window: the
     # window's freed arrays, otherwise kept by the process where a memory limit wants them for
     # the page cache (hvctr.heap)

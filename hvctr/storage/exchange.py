@@ -151,11 +151,13 @@ class WindowExchange:
     ``pulled``: the rows this rank answered the pull with as an owner (``asked.uniq``'s), kept
     for the push where merge.sparse_rule reads them (matched), so they are not read again.
     ``shared``: the rows its steps synchronise (merge.shared_rows, hvctr.storage.shared_rows),
-    chosen by the pull."""
+    chosen by the pull. ``tag``: (epoch, first batch) of a training window, under which owners log
+    where its rows were for the same window of the next pass (hvctr.storage.position_log)."""
     routing: Routing
     asked: Asked | None = None
     pulled: np.ndarray | None = None
     shared: SharedRows | None = None
+    tag: tuple[int, int] | None = None
 
 
 Exchange = WindowExchange | Keys  # what warm, pull and push take
@@ -326,7 +328,7 @@ class ShardedTable:
         window = keys if isinstance(keys, WindowExchange) else None
         # the window the last push wrote ahead of: the rows it left to write are none of its own
         ahead, self._ahead = self._ahead is not None and keys is self._ahead, None
-        read = functools.partial(self.store.read, deferred_ok=ahead)
+        read = functools.partial(self.store.read, deferred_ok=ahead, tag=window.tag if window is not None else None)
         r = self._routed(keys)
         rows, asked = self._answer(r, name, "pull", read, asked, keep=window)
         if window is not None:
@@ -479,7 +481,7 @@ class ShardedTable:
         x = keys if isinstance(keys, WindowExchange) else WindowExchange(r)
         with self._call("warm") as rec:
             asked = self._ask(rec, r, name)
-            self.store.warm(asked.uniq)
+            self.store.warm(asked.uniq, tag=x.tag)
         x.asked = asked
         return x
 

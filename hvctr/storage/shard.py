@@ -66,6 +66,7 @@ from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
 from hvctr.formats.space import check_free_space, remedy
 from hvctr.kernels import diskio, native
 from hvctr.storage import _probe
+from hvctr.storage.position_log import PositionLog, Tag
 
 FORMAT_VERSION = 1
 BLOCK_BYTES = 4096
@@ -335,7 +336,7 @@ class Shard:
 
     def __init__(self, path: str | Path, writable: bool = True, io: str = "pread",
                  io_threads: int = diskio.DEFAULT_THREADS, write_behind: bool = True,
-                 recent_positions: int = 0) -> None:
+                 recent_positions: int = 0, position_log: bool = False) -> None:
         self.path = str(path)
         self.write_behind = write_behind  # pread path: writes flushed and their pages dropped
         if io not in SHARD_IO:
@@ -407,10 +408,15 @@ class Shard:
         self._pending_parts: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending_n = 0
         self.recent: RecentPositions | None = None
+        self.position_log: PositionLog | None = None
+        self._recalled: list[np.ndarray] = []  # the log's positions of the last two windows recalled
+        self.recalled_hits = 0
         if self.io == "pread":
             self.key_filter = KeyFilter(self.capacity)
             if recent_positions:
                 self.recent = RecentPositions(recent_positions, self.slot_seed)
+                if writable and position_log:
+                    self.position_log = PositionLog(self.path, write_behind)
             with self.attributed("open"):
                 for start in range(0, self.n_rows, 1 << 20):
                     meta = self.read_meta(start, start + (1 << 20))
@@ -458,7 +464,7 @@ class Shard:
     def create(cls, path: str | Path, *, dim: int, capacity: int, world_size: int, rank: int,
                bucket_owner: np.ndarray, seed: int, init_scale: float,
                max_load_factor: float, io: str = "pread", io_threads: int = diskio.DEFAULT_THREADS,
-               write_behind: bool = True, recent_positions: int = 0) -> "Shard":
+               write_behind: bool = True, recent_positions: int = 0, position_log: bool = False) -> "Shard":
         """Writes an empty shard under a temporary name, allocates it fully, renames it.
 
         HDF5 writes only the skeleton (attributes, the bucket table, dataset headers: KiBs);
@@ -503,13 +509,14 @@ class Shard:
                              f"{capacity} rows and their index): {e.strerror or e}; {remedy(e, Path(path).parent)}, "
                              f"point storage.shard_dir at another disk or lower storage.rows_per_rank") from None
         os.replace(tmp, path)
-        return cls(path, io=io, io_threads=io_threads, write_behind=write_behind, recent_positions=recent_positions)
+        return cls(path, io=io, io_threads=io_threads, write_behind=write_behind, recent_positions=recent_positions,
+                   position_log=position_log)
 
     @classmethod
     def open(cls, path: str | Path, writable: bool = True, io: str = "pread",
              io_threads: int = diskio.DEFAULT_THREADS, write_behind: bool = True,
-             recent_positions: int = 0) -> "Shard":
-        return cls(path, writable, io, io_threads, write_behind, recent_positions)
+             recent_positions: int = 0, position_log: bool = False) -> "Shard":
+        return cls(path, writable, io, io_threads, write_behind, recent_positions, position_log)
 
     # --- index -------------------------------------------------------------------------
 
@@ -534,6 +541,11 @@ class Shard:
             rest = np.flatnonzero(pos < 0)
             rest = rest[self.key_filter.may_hold(keys[rest])]
             self.filtered_lookups += keys.shape[0] - np.count_nonzero(pos >= 0) - rest.shape[0]
+            for table in self._recalled:  # where the same window of the last pass found them
+                if rest.size:
+                    pos[rest] = _probe.find_values(native.lib(), table, keys[rest], self.slot_seed, empty_by_key=True)
+                    self.recalled_hits += int(np.count_nonzero(pos[rest] >= 0))
+                    rest = rest[pos[rest] < 0]
             if self.recent is not None:
                 pos[rest] = self.recent.find(keys[rest])
                 rest = rest[pos[rest] < 0]
@@ -550,6 +562,30 @@ class Shard:
         hit = slots >= 0
         pos[hit] = self._index["row"][slots[hit]]
         return pos
+
+    def remember(self, tag: Tag | None, keys: np.ndarray, pos: np.ndarray) -> None:
+        """The positions window ``tag`` looked up or created (-1: none), for the same window
+        of the next pass (hvctr.storage.position_log)."""
+        if tag is not None and self.position_log is not None:
+            with self.attributed("position_log"):
+                self.position_log.record(tag, np.asarray(keys, dtype=np.uint64), np.asarray(pos, dtype=np.int64))
+
+    def recall(self, tag: Tag | None) -> int:
+        """Keeps in memory what window ``tag``'s predecessor of the last pass remembered, until
+        the window after the next recalls (its lookups then read no index block for those keys;
+        32 bytes a position); returns how many positions."""
+        if tag is None or self.position_log is None:
+            return 0
+        with self.attributed("position_log"):
+            got = self.position_log.recall(tag)
+        if got is None:
+            return 0
+        keys, first = np.unique(got[0], return_index=True)  # a window's warm and pull may both log a key
+        table = np.empty(2 * keys.shape[0], dtype=INDEX_DTYPE)
+        table["key"], table["row"] = EMPTY_KEY, -1
+        _probe.claim_slots(native.lib(), table, keys, got[1][first], self.slot_seed, empty_by_key=True)
+        self._recalled = [*self._recalled[-1:], table]
+        return keys.shape[0]
 
     def may_hold(self, keys: np.ndarray) -> np.ndarray:
         """False where the shard certainly does not hold the key (its key filter; pread path),
@@ -834,6 +870,10 @@ class Shard:
         if self.writable:
             self.save_state(clean=True)  # the index entries waiting in memory first
         self._pending = None
+        self._recalled = []
+        if self.position_log is not None:
+            self.position_log.close()
+            self.position_log = None
         # Dropping the arrays unmaps the file (numpy holds the mmap's buffer until then).
         self._index = self._index_keys = self._rows = self._meta = None
         if self._read_fd != self._fd:

@@ -39,6 +39,7 @@ from hvctr.kernels import unique_in_order
 from hvctr.kernels.diskio import IOStats
 from hvctr.storage.cache import RowCache
 from hvctr.formats import RowLayout, default_row, init_rows
+from hvctr.storage.position_log import Tag
 from hvctr.storage.shard import Shard, recent_positions_for, strictly_increasing
 
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
@@ -168,14 +169,15 @@ class EmbeddingStore:
         self._deferred_done = threading.Condition(self._lock)  # warm() waits on it
         self.counters = dict.fromkeys(
             ("created", "unadmitted_reads", "dropped_writes", "writeback_rows", "writethrough_rows",
-             "warmed_rows", "fenced_warm_rows", "readonly_init_rows", "deferred_rows"), 0)
+             "warmed_rows", "fenced_warm_rows", "readonly_init_rows", "deferred_rows", "recalled_positions"), 0)
         self.shard_s = 0.0  # seconds inside shard calls (index probes, row reads and writes)
         self.total_s = 0.0  # seconds inside store methods
         self._thread_times = threading.local()  # the same, per calling thread (exchange timing)
 
     def _io(self) -> dict:
         return {"io": self.cfg.shard_io.value, "io_threads": self.cfg.io_threads, "write_behind": self.write_behind,
-                "recent_positions": recent_positions_for(self.cfg.cpu_cache_bytes)}
+                "recent_positions": recent_positions_for(self.cfg.cpu_cache_bytes),
+                "position_log": self.cfg.position_log}
 
     def _check_matches(self, rank: int, world_size: int) -> None:
         s = self.shard
@@ -316,12 +318,15 @@ class EmbeddingStore:
 
     # --- the training path -------------------------------------------------------------
 
-    def read(self, keys: np.ndarray, count: bool = True, deferred_ok: bool = False) -> np.ndarray:
+    def read(self, keys: np.ndarray, count: bool = True, deferred_ok: bool = False,
+             tag: Tag | None = None) -> np.ndarray:
         """Rows of ``keys`` (float32 [n, width]); new admitted keys are created with init rows.
 
         ``count=False`` does not count the keys towards admission (a second read of the same
         window, e.g. sync mode's gradient push). ``deferred_ok``: none of ``keys`` is among the
-        deferred rows (``defer_write``), so the read need not wait for them.
+        deferred rows (``defer_write``), so the read need not wait for them. ``tag``: the
+        training window's (epoch, first batch): the shard logs the positions it looked up or
+        created for the same window of the next pass (hvctr.storage.position_log).
         """
         if not deferred_ok:
             self.settle()
@@ -332,15 +337,19 @@ class EmbeddingStore:
             self.cache.take(ent, out)
             miss = np.flatnonzero(ent < 0)
             if miss.size:
+                if tag is not None:  # the warm's recall, where no warm ran (data.prefetch = false)
+                    with self._timed(shard=True), self.shard.attributed("pull"):
+                        self.counters["recalled_positions"] += self.shard.recall(tag)
                 # count=False is a window's second read of its rows (a push's old rows)
                 with self.shard.attributed("pull" if count else "push"):
                     if miss.size == keys.shape[0]:  # every key missed (a small cache): into out itself
-                        self._read_misses(keys, count, out)
+                        self._read_misses(keys, count, out, tag)
                     else:
-                        out[miss] = self._read_misses(keys[miss], count)
+                        out[miss] = self._read_misses(keys[miss], count, tag=tag)
             return out
 
-    def _read_misses(self, keys: np.ndarray, count: bool, out: np.ndarray | None = None) -> np.ndarray:
+    def _read_misses(self, keys: np.ndarray, count: bool, out: np.ndarray | None = None,
+                     tag: Tag | None = None) -> np.ndarray:
         """The rows of keys the cache does not hold, into ``out`` (a new array where None).
         A window's rows are copied as few times as the order of the shard asks: every
         whole-window copy is 65 MB at 327k rows of D = 16 (issue 26)."""
@@ -363,6 +372,7 @@ class EmbeddingStore:
             with self._timed(shard=True):
                 pos[new] = self.shard.insert(keys[new])
             self.counters["created"] += new.size
+        self.shard.remember(tag, keys, pos)
         # New rows first: those the cache cannot take must be written through, found ones
         # are on the shard already and are simply not cached.
         order = np.concatenate((new, found))
@@ -462,7 +472,7 @@ class EmbeddingStore:
             self._write_shard_at(pos, keys, rows, rest)
             self.counters["writethrough_rows"] += rest.size
 
-    def warm(self, keys: np.ndarray) -> None:
+    def warm(self, keys: np.ndarray, tag: Tag | None = None) -> None:
         """Brings the shard rows of ``keys`` into the cache; answers nothing, changes no value.
 
         Keys the shard does not hold are left alone (rows are created only by ``read``, and
@@ -484,6 +494,9 @@ class EmbeddingStore:
         """
         self._await_deferred()
         keys = _unique_keys(keys)
+        if tag is not None:
+            with self._lock, self._timed(shard=True), self.shard.attributed("warm"):
+                self.counters["recalled_positions"] += self.shard.recall(tag)
         recent = self.shard.recent
         ahead = recent.size // 2 if recent is not None else 0  # positions it may look up past the rows it holds
         for start in range(0, keys.shape[0], _WARM_CHUNK):
@@ -501,6 +514,7 @@ class EmbeddingStore:
                 # (RecentPositions), so the read finds these rows without their index blocks.
                 with self._timed(shard=True):
                     pos = self.shard.lookup(chunk[at])
+                    self.shard.remember(tag, chunk[at], pos)
                 ahead -= max(at.size - room, 0)
                 at, pos = at[:room], pos[:room]
                 found = np.flatnonzero(pos >= 0)
@@ -733,6 +747,7 @@ class EmbeddingStore:
             "shard_index_blocks_read": s.index_blocks_read,
             "shard_filtered_lookups": s.filtered_lookups,
             "shard_recent_position_hits": s.recent.hits if s.recent is not None else 0,
+            "shard_recalled_position_hits": s.recalled_hits,
             "store_s": self.total_s, "shard_s": self.shard_s, "cache_s": self.total_s - self.shard_s,
             **self.counters,
         }

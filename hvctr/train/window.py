@@ -105,7 +105,7 @@ def build_window(index: int, epoch: int, first_batch: int, labels: np.ndarray, d
     exchange = None
     if route is not None:
         routed = route(unique_keys)  # routed.keys is unique_keys: keys_by_owner is unique_keys[routed.order]
-        exchange = WindowExchange(routed.grouped())
+        exchange = WindowExchange(routed.grouped(), tag=(epoch, first_batch))
         order = order[routed.order]
         unique_keys = exchange.routing.keys
     rank = np.empty(m, dtype=np.int64)

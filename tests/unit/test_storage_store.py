@@ -2,6 +2,7 @@
 admission, TTL compaction, checkpoint deltas and bulk loads. One rank (no MPI)."""
 
 import contextlib
+import os
 import threading
 
 import numpy as np
@@ -362,3 +363,40 @@ def test_a_failed_deferred_write_is_raised_where_its_rows_are_waited_for(tmp_pat
     with pytest.raises(RuntimeError, match=r"rank 0: writing a window's rows to .*s\.h5 after the next window's "
                                            r"pull failed"):
         store.read(keys)
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_pass_finds_the_rows_its_windows_found_last_pass_without_index_blocks(tmp_path, warm):
+    """The position log (hvctr.storage.position_log): epoch 1's window at batch b warms and reads
+    the rows epoch 0's window at batch b created, through no index block, and the rows are the
+    same as without the log; the log's files go with the shard."""
+    windows = [_universe(2000, seed=s) for s in range(6)]  # 6 windows of 2k keys; two generations of 4k recent positions
+
+    def run(with_log):
+        store = EmbeddingStore(_cfg(50, rows_per_rank=20_000, position_log=with_log), tmp_path / f"s{with_log}.h5")
+        got = []
+        for epoch in range(2):
+            for b, keys in enumerate(windows):
+                tag = (epoch, 10 * b)
+                blocks = store.shard.index_blocks_read
+                if warm:  # else the read recalls them (data.prefetch = false)
+                    store.warm(keys, tag=tag)
+                rows = store.read(keys, tag=tag)
+                store.write(keys, rows + 1)
+                if epoch == 1:
+                    got.append((rows, store.shard.index_blocks_read - blocks))
+        stats, logs = store.stats(), store.shard.position_log
+        paths = list(logs.paths) if logs else []
+        store.close()
+        assert not any(os.path.exists(p) for p in paths)  # removed with the shard
+        return got, stats, paths
+
+    with_log, stats, paths = run(True)
+    without, stats0, _ = run(False)
+    assert len(paths) == 2 and stats["recalled_positions"] == 6 * 2000 and stats0["recalled_positions"] == 0
+    for (rows, blocks), (rows0, blocks0) in zip(with_log, without):
+        np.testing.assert_array_equal(rows, rows0)  # a hint: the same rows
+        assert blocks == 0
+    # without the log the 4 windows whose index entries reached the file read nearly all of its 98
+    # blocks each (the last 2 windows' entries are still waiting in memory)
+    assert [b for _, b in without][:4] == [98] * 4
