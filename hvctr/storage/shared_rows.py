@@ -13,7 +13,9 @@ hottest rows replicated and synchronised every step in the same spirit):
 - at every step each rank adds its gradients of the shared rows it touched into a [total, D + 2]
   buffer (the gradient and a touch count), one allreduce sums it, and every rank that holds a
   shared row touched by any rank takes the same lazy Adam step on it with the gradient summed over
-  the ranks divided by W (sync's mean over the global batch, hvctr.storage.exchange.push_gradients);
+  the ranks: sync's step (its mean over the global batch is the sum / W, and Adam's step does not
+  change with the gradients' scale but for eps), with Adam's moments at the scale of the local
+  steps the row takes in windows where it is not shared (hvctr.train.row_sync);
 - at the push every holder sends the same bits, and the owner keeps the first copy (an average of
   equal floats need not give them back).
 

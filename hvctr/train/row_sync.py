@@ -33,7 +33,13 @@ class SharedRowSync:
     def split_step(self, rows: torch.Tensor, idx: torch.Tensor, grad: torch.Tensor, lr: float, beta1: float,
                    beta2: float, eps: float, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Sync's Adam step on the shared rows (every rank calls it at every step, touched or
-        not: it is a collective); returns the rest of ``idx`` and ``grad``, for the local step."""
+        not: it is a collective); returns the rest of ``idx`` and ``grad``, for the local step.
+
+        The step takes the gradients' sum over the ranks, not sync's mean (the sum / W): Adam's
+        step is the same up to eps (m / sqrt(v) does not change when every gradient is scaled),
+        and its moments stay at the scale of one rank's gradient, which the row's local steps
+        take where it is not shared in a later window (with the mean, a row shared in one window
+        and not in the next would start the next with v about (W / c)^2 too small)."""
         number = self.number_at[idx]
         mine = number >= 0
         c = grad.shape[1]
@@ -43,8 +49,7 @@ class SharedRowSync:
         # comm: one allreduce (Sum) of the shared rows' gradients and touch counts, every step
         summed = self.comm.allreduce_sum([acc], name)[0].to(grad.device)
         step = torch.nonzero((summed[:, c] > 0) & (self.held_at >= 0)).reshape(-1)
-        if step.numel():  # sync's mean over the global batch: the sum over ranks / W
-            sparse_adam_step(rows, self.held_at[step], summed[step, :c] / float(self.comm.size), lr, beta1, beta2,
-                             eps)
+        if step.numel():  # the sum over ranks: W x sync's mean, the scale of one rank's local gradient
+            sparse_adam_step(rows, self.held_at[step], summed[step, :c], lr, beta1, beta2, eps)
         rest = torch.nonzero(~mine).reshape(-1)
         return idx[rest], grad[rest]

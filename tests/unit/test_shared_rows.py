@@ -72,8 +72,9 @@ def _train(tmp_path, limit):
 
 
 def _reference(results, key):
-    """Sync's steps on one row: the gradients of the ranks that touched it summed and divided
-    by W, one Adam step wherever any rank touched it."""
+    """Sync's steps on one row: the gradients of the ranks that touched it summed (sync's mean
+    times W: the same Adam step up to eps, hvctr.train.row_sync), one Adam step wherever any rank
+    touched it."""
     row = None
     for keys, pulled, *_ in results:
         at = np.flatnonzero(keys == key)
@@ -92,7 +93,7 @@ def _reference(results, key):
                 total += g[hit[0]]
                 touched = True
         if touched:
-            sparse_adam_step(row, torch.zeros(1, dtype=torch.int64), total / float(W), LR, B1, B2, EPS)
+            sparse_adam_step(row, torch.zeros(1, dtype=torch.int64), total, LR, B1, B2, EPS)
     return row[0]
 
 
