@@ -556,7 +556,7 @@ def predict(data: Path, cfg: dict, dev: dict, memory: int, work: Path) -> dict:
     for pass_rows in ("", "0"):  # the first pass (new keys, from the data), the second (every key known)
         cmd = [sys.executable, "-m", "hvctr", "plan", "--map", str(REPO / "slurm/hwmaps/vm-2cpu.toml"),
                "--ranks-per-node", "2", "--threads-per-rank", "1", "--data", str(data), "--rates", str(path), "--json",
-               *(["--pass-rows", pass_rows] if pass_rows else []),
+               *(["--pass-rows", pass_rows] if pass_rows else []), "--train.epochs=2",
                *(["--memory-bytes", str(memory)] if memory else []), *_job_flags(cfg)]
         r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=work)
         if r.returncode != 0:

@@ -140,6 +140,9 @@ def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows:
                states=m.states, compression=m.compression, dense_every_steps=m.dense_every_steps,
                powersgd_rank=m.powersgd_rank if m.dense_gradients is DenseGradients.POWERSGD else 0,
                shared_rows=m.shared_rows,
+               # every key known, a job of several epochs: a later pass, whose windows the log of the last finds
+               logged_pass=(s.position_log and s.shard_io.value == "pread" and not pass_rows
+                            and cfg.train.epochs > 1),
                sparse_rule=m.sparse_rule,
                cpu_cache_bytes=s.cpu_cache_bytes,
                max_load_factor=s.max_load_factor, model=cfg.model, pass_rows=pass_rows, prefetch=cfg.data.prefetch,

@@ -88,6 +88,9 @@ class Job:
     dense_every_steps: int = 0  # merge.dense_every_steps: dense merges inside a window too
     powersgd_rank: int = 0  # merge.dense_gradients = powersgd: its rank r (0: local dense steps, merged)
     shared_rows: int = 0  # merge.shared_rows: rows synchronised every step (hvctr.storage.shared_rows)
+    # a pass after the first over the same data, with storage.position_log: the cold rows' index
+    # blocks come from the log of the same window of the last pass (hvctr.storage.position_log)
+    logged_pass: bool = False
     sparse_rule: SparseRule = SparseRule.AVERAGE  # resolved: every rule but average keeps the owner's pulled rows to the push
     cpu_cache_bytes: int = 256 << 20
     max_load_factor: float = 0.8
@@ -259,7 +262,7 @@ def sparse_bytes_per_window(u: float, world_size: int, dim: int, mode: MergeMode
 
 
 def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries: float,
-                             recent_entries: float = 0.0) -> dict[str, float]:
+                             recent_entries: float = 0.0, logged: bool = False) -> dict[str, float]:
     """What one owner's shard does in a window (hvctr.storage.store; the run summary's
     shard_traffic counts the same by cause), rows and 4 KiB index blocks:
 
@@ -279,13 +282,18 @@ def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries
     - index_blocks_written: new rows' index entries, which wait in memory until a block has
       about PENDING_PER_BLOCK of them, then go to the file a block at a time (read, changed,
       written).
+
+    ``logged``: a pass after the first over the same data with the position log: the window's
+    cold rows were looked up by the same window last pass, so neither the reads nor the push's
+    lookups read an index block (the log's own reads and writes are 16 sequential bytes a row).
     """
     cold = max(u_o - new_o, 0.0) * (1.0 - hit)
     beyond = max(u_o - cache_entries / 2, 0.0) / u_o if u_o else 0.0
     kept = min(1.0, recent_entries / (2.0 * cold)) if cold else 1.0
-    return {"rows_read": cold, "index_blocks_read": cold * INDEX_BLOCKS_PER_ROW_READ, "rows_written": cold,
+    blocks = 0.0 if logged else INDEX_BLOCKS_PER_ROW_READ
+    return {"rows_read": cold, "index_blocks_read": cold * blocks, "rows_written": cold,
             "new_rows_written": new_o * (1.0 - hit),
-            "push_index_blocks": cold * beyond * (1.0 - kept) * INDEX_BLOCKS_PER_ROW_READ,
+            "push_index_blocks": cold * beyond * (1.0 - kept) * blocks,
             "index_blocks_written": new_o / PENDING_PER_BLOCK}
 
 
@@ -401,7 +409,8 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     f = (W - 1) / W
     u, u_b = curve(k * B), curve(B)
     u_o = curve(W * k * B) / W
-    traffic = shard_traffic_per_window(u_o, new_o, hit, cache_entries, recent_positions_for(job.cpu_cache_bytes))
+    traffic = shard_traffic_per_window(u_o, new_o, hit, cache_entries, recent_positions_for(job.cpu_cache_bytes),
+                                       job.logged_pass)
     stretch = c.cpu if io.cpu else 1.0  # page-cache reads are CPU work; the device's are not
     # the warm's and the pull's reads of rows the cache lacks, each with its index block
     shard_read = stretch * (traffic["rows_read"] / io.read + traffic["index_blocks_read"] / io.index)

@@ -381,3 +381,24 @@ def test_a_memory_limit_below_the_table_makes_shard_reads_come_from_the_device()
     assert len(steps) == 2 and all(x < 1e3 * t["step_s"] for x in steps), (steps, t["step_s"])
     assert not any(n.startswith("the SSD bounds") for n in a.notes)  # page cache: no SSD note
     assert "SSD" in dict((w, why) for w, _, why in b.fits)["page cache"]
+
+
+def test_a_later_pass_with_the_position_log_reads_no_index_blocks():
+    """storage.position_log: a pass after the first over the same data finds its cold rows'
+    positions in the log (hvctr.storage.position_log): the planner charges no index block for
+    them, nor for the push's lookups; only a job of several epochs, every key known, gets it."""
+    from hvctr.config import load_config
+    from hvctr.plan.cmd import job_from
+    from hvctr.plan.model import shard_traffic_per_window
+
+    plain = shard_traffic_per_window(60_000, 0, 0.5, 10_000, 4096)
+    logged = shard_traffic_per_window(60_000, 0, 0.5, 10_000, 4096, logged=True)
+    assert plain["index_blocks_read"] > 0 and plain["push_index_blocks"] > 0
+    assert logged["index_blocks_read"] == logged["push_index_blocks"] == 0
+    assert logged["rows_read"] == plain["rows_read"] and logged["rows_written"] == plain["rows_written"]
+    two = load_config(None, ["--train.epochs=2"])
+    assert job_from(two, 1, 2, 10**6, 0).logged_pass
+    assert not job_from(two, 1, 2, 10**6, 5000).logged_pass  # a first pass: nothing logged yet
+    assert not job_from(load_config(None, []), 1, 2, 10**6, 0).logged_pass  # one epoch: no pass repeats
+    assert not job_from(load_config(None, ["--train.epochs=2", "--storage.position_log=false"]), 1, 2, 10**6,
+                        0).logged_pass
