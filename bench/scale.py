@@ -592,14 +592,17 @@ def report(res: dict) -> str:
     def per_s(r: dict, key: str) -> float:
         return r[key] / max(r["shard_s"], 1e-9)
 
-    def cold(r: dict) -> tuple[float, float]:
-        """Pool read calls and reads (rows + index blocks) a second inside the warm's and the
-        pull's shard calls: the window's cold reads, apart from write-back, checkpoints and flushes."""
+    def cold(r: dict) -> tuple[float, float, float]:
+        """Pool read calls, cold rows and reads (rows + index blocks) a second inside the warm's and
+        the pull's shard calls: the window's cold reads, apart from write-back, checkpoints and
+        flushes. The rows a second are issue 26's measure (cold rows read against the device's best
+        random-read rate); calls fall as rows share pages and reads coalesce."""
         t = r.get("shard_traffic", {})
-        secs = sum(t.get(c, {}).get("seconds", 0.0) for c in ("warm", "pull"))
+        secs = max(sum(t.get(c, {}).get("seconds", 0.0) for c in ("warm", "pull")), 1e-9)
         calls = sum(t.get(c, {}).get("read_calls", 0) for c in ("warm", "pull"))
-        reads = sum(t.get(c, {}).get("rows_read", 0) + t.get(c, {}).get("index_blocks_read", 0) for c in ("warm", "pull"))
-        return calls / max(secs, 1e-9), reads / max(secs, 1e-9)
+        rows = sum(t.get(c, {}).get("rows_read", 0) for c in ("warm", "pull"))
+        blocks = sum(t.get(c, {}).get("index_blocks_read", 0) for c in ("warm", "pull"))
+        return calls / secs, rows / secs, (rows + blocks) / secs
 
     best = dev["iops_depth32"]
     lines = [
@@ -623,10 +626,12 @@ def report(res: dict) -> str:
         f"| rows read from the shard (rank 0) | {a['rows_read']:,} | {b['rows_read']:,} | |",
         f"| shard read calls/s inside shard time (rank 0) | {per_s(a, 'read_calls'):,.0f} | {per_s(b, 'read_calls'):,.0f} | "
         f"device best {best:,}: **{per_s(b, 'read_calls') / best:.2f}x** |",
-        f"| cold reads: pool read calls/s inside the warm's and the pull's shard calls (rank 0) | "
-        f"{cold(a)[0]:,.0f} | {cold(b)[0]:,.0f} | device best {best:,}: **{cold(b)[0] / best:.2f}x** |",
-        f"| cold rows + index blocks read /s inside the warm's and the pull's shard calls (rank 0) | "
-        f"{cold(a)[1]:,.0f} | {cold(b)[1]:,.0f} | |",
+        f"| cold reads: rows read /s inside the warm's and the pull's shard calls (rank 0) | "
+        f"{cold(a)[1]:,.0f} | {cold(b)[1]:,.0f} | device best {best:,}: **{cold(b)[1] / best:.2f}x** |",
+        f"| pool read calls/s inside those calls (rank 0; rows sharing pages share a call) | "
+        f"{cold(a)[0]:,.0f} | {cold(b)[0]:,.0f} | {cold(b)[0] / best:.2f}x |",
+        f"| cold rows + index blocks read /s inside those calls (rank 0) | "
+        f"{cold(a)[2]:,.0f} | {cold(b)[2]:,.0f} | |",
         f"| cold rows + index blocks read /s inside all shard time (rank 0) | "
         f"{(a['rows_read'] + a['index_blocks_read']) / max(a['shard_s'], 1e-9):,.0f} | "
         f"{(b['rows_read'] + b['index_blocks_read']) / max(b['shard_s'], 1e-9):,.0f} | |",
@@ -677,9 +682,10 @@ def report(res: dict) -> str:
         f"| resume (start to the first window) | {a['resume_s'] or a['resume_wall_s']} s | {b['resume_s'] or b['resume_wall_s']} s | |",
         f"| export | {a['export_s']} s | {b['export_s']} s | |",
         "",
-        f"Targets: limited >= 0.7x unlimited; cold reads (the warm's and the pull's pool calls) >= 0.8x the "
-        f"device's best random-read rate; peak within the limit. Met: {b['samples_per_s'] / a['samples_per_s'] >= 0.7}, "
-        f"{cold(b)[0] / best >= 0.8}, {b['memory_all'].get('peak', 0) <= cfg['limit']}"
+        f"Targets: limited >= 0.7x unlimited; cold reads (rows read a second inside the warm's and the pull's "
+        f"calls) >= 0.8x the device's best random-read rate; peak within the limit. "
+        f"Met: {b['samples_per_s'] / a['samples_per_s'] >= 0.7}, "
+        f"{cold(b)[1] / best >= 0.8}, {b['memory_all'].get('peak', 0) <= cfg['limit']}"
         + (f"; the planner's step within 25% in the cgroup: {abs(pb['figures']['step_s'] / b['step_s'] - 1) <= 0.25}."
            if pa and pb else "."),
     ]
