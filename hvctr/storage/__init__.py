@@ -1,8 +1,10 @@
 """The embedding table's three tiers on each rank and the exchange of rows between ranks.
 
-Owns: the SSD shard file (shard.py), the CPU cache (cache.py), one rank's store (store.py:
-shard + cache + admission) and the exchange between ranks (exchange.py: ShardedTable). The
-row layout and its init are hvctr.formats'. A key belongs to the rank
+Owns: the SSD shard file (shard.py; where a window's rows were, for the same window of the next
+pass: position_log.py), the CPU cache (cache.py), one rank's store (store.py: shard + cache +
+admission) and the exchange between ranks (exchange.py: ShardedTable; what owners keep of a
+row several ranks moved: row_merge.py; the rows a window synchronises every step:
+shared_rows.py). The row layout and its init are hvctr.formats'. A key belongs to the rank
 ``bucket_owner[bucket(key)]`` (hvctr.formats); only that rank ever stores it.
 
 ::
@@ -19,10 +21,10 @@ row layout and its init are hvctr.formats'. A key belongs to the rank
                 operation): a dirty victim is written back, a clean one just dropped
               flush (checkpoint, end of pass, close): every dirty row written back
               ^                                           |
-              | read: np.memmap by file offset,           | write-back: os.pwrite, one call
-              |       rows sorted by position             v   per run of consecutive rows;
-              |                                               new index entries: stores into
-              |                                               a shared map of the index
+              | read: sorted positions, a pool of         | write-back: whole pages by the
+              |       pread threads (storage.io_threads;  v   pool, flushed and dropped under
+              |       mmap: the reference path)               a memory limit; new index
+              |                                               entries batched a block at a time
     Tier 1  SSD shard, one HDF5 file per rank: bucket table, key index (open addressing in
             4 KiB blocks), rows, per-row meta (key, last pass written, checkpoint generation)
 
