@@ -8,8 +8,10 @@ epoch), so the window starting at batch b of epoch e asks for the rows the windo
 epoch e - 1 asked for, and a shard's rows never move (they are appended; compaction writes a
 new shard). The shard therefore writes, for each window, the positions it looked up or created
 for the window's keys, one sequential write of 16 bytes a key, and at the same window of the
-next pass reads them back in one sequential read into its RecentPositions: the warm and the pull
-then find those rows without their index blocks. Keys the window did not bring last pass (new
+next pass reads them back in one sequential read into a probe table of its own (Shard.recall,
+32 bytes a position, kept until the window after next), which its lookups consult before
+RecentPositions and the index: the warm, the pull and the push then find those rows without
+their index blocks. Keys the window did not bring last pass (new
 keys, keys the cache held then) take the index as before; a data order that changes between
 passes only makes the log useless, never wrong (a logged position is a fact of this shard).
 
@@ -32,7 +34,8 @@ from hvctr.log import get_logger
 
 log = get_logger(__name__)
 
-ENTRY = np.dtype([("key", "<u8"), ("row", "<i8")])  # the index's entries (hvctr.storage.shard.INDEX_DTYPE)
+# the index's entries, hvctr.storage.shard.INDEX_DTYPE (not imported: shard.py imports this module)
+ENTRY = np.dtype([("key", "<u8"), ("row", "<i8")])
 
 Tag = tuple[int, int]  # (epoch, first batch of the window within it)
 
