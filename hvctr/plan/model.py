@@ -13,6 +13,7 @@ the code), per rank unless it says otherwise:
     warm  keys out U f 8                                          (prefetch thread)
     push  keys and rows out U f (8 + row)                         kstep
     push_gradients  U f (8 + 4 (D + 1))                           sync
+    shared rows  2 t f 4 (D + 1) + 8 t f a step, t <= min(N, D(B))  (merge.shared_rows)
     dense payload per merge: (P + P [m] + P [v]) * wire bytes + 8 (the flags)   kstep
                              P * wire bytes + 8                                  sync
     merge.dense_gradients = powersgd: every step 4 (sum of r (out + in) over the factored weights
@@ -225,13 +226,16 @@ def powersgd_step_bytes(model: ModelConfig, dim: int, rank: int) -> tuple[int, i
     return 4 * first, 4 * second
 
 
-def shared_row_step_bytes(job: "Job") -> int:
-    """Bytes one rank puts into a step's allreduce of the shared rows (merge.shared_rows): at most
-    ceil(N / W) rows an owner, each its gradient and a touch count, float32."""
+def shared_row_step_bytes(job: "Job", step_rows: float) -> int:
+    """Bytes one rank sends other ranks a step for the shared rows (merge.shared_rows, hvctr.train.
+    row_sync), at most: of the t <= min(N, step_rows) shared rows its step touches (``step_rows``:
+    a batch's distinct rows), the share f others own: their gradients out, as many values served
+    to the others as their owner (the model columns, float32), and their schedule (an int64)."""
     if not job.shared_rows or job.mode is not MergeMode.KSTEP:
         return 0
     W = job.world_size
-    return W * -(-job.shared_rows // W) * 4 * (RowLayout(job.dim).model_width + 1)
+    touched = min(float(job.shared_rows), float(step_rows)) * (W - 1) / W
+    return int(touched * (2 * 4 * RowLayout(job.dim).model_width + 8))
 
 
 def dense_payload_bytes(params: int, mode: MergeMode, states: MergeStates, compression: Compression) -> int:
@@ -443,8 +447,9 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     if job.powersgd_rank:  # the gradients' two allreduces every step; the window's end sums the flags alone
         first, second = powersgd_step_bytes(job.model, D, job.powersgd_rank)
         dense_merge = k * (c.allreduce(first) + c.allreduce(second)) + c.allreduce(8)
-    if shared_row_step_bytes(job):  # one more allreduce every step
-        dense_merge += k * c.allreduce(shared_row_step_bytes(job))
+    shared = shared_row_step_bytes(job, u_b)
+    if shared:  # two alltoalls every step: gradients to the owners, values back
+        dense_merge += k * 2 * c.alltoall(shared / 2)
     if job.mode is MergeMode.SYNC:
         grad_bytes = KEY_BYTES + 4 * RowLayout(D).model_width
         merge = (dense_merge + 2 * c.unique(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
@@ -546,7 +551,7 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         "push_bytes_per_step": sparse["push"] / k, "dense_payload_bytes_per_step": payload / k,
         "dense_wire_bytes_per_step": payload / k * 2 * (W - 1) / W,
         "sparse_bytes_per_step": sum(sparse.values()) / k,
-        "shared_row_bytes_per_step": shared_row_step_bytes(job),
+        "shared_row_bytes_per_step": shared_row_step_bytes(job, u_b),
         **{f"{name}_s_per_step": v / k for name, v in t.items()},
         **{f"shard_{name}_per_window": v for name, v in traffic.items()},
         "shard_reads_from": io.where, "shard_write_behind": behind,

@@ -334,12 +334,12 @@ class ShardedTable:
         if window is not None:
             window.asked = asked
             if self.shared_rows:
-                window.shared = self._share(r, asked, name)
+                window.shared = self._share(r, asked, window, name)
         if ahead:
             self.store.start_deferred()  # while this window trains
         return rows
 
-    def _share(self, r: Routing, asked: Asked, name: str) -> SharedRows:
+    def _share(self, r: Routing, asked: Asked, window: "WindowExchange", name: str) -> SharedRows:
         """The pulled window's shared rows (hvctr.storage.shared_rows): each owner chooses among
         the keys it was asked for and numbers them after the owners before it; each rank learns
         the numbers of its own working set's rows."""
@@ -360,7 +360,11 @@ class ShardedTable:
                 ordered[r.order] = mine
                 mine = ordered
             positions = np.flatnonzero(mine >= 0)
-            return SharedRows(int(counts.sum()), positions, mine[positions], owned)
+            first_of = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            owner_rows = np.ascontiguousarray(window.pulled[owned])  # stepped by their owner, kept at the push
+            if self.sparse_rule is SparseRule.AVERAGE:
+                window.pulled = None  # kept for the shares alone
+            return SharedRows(int(counts.sum()), positions, mine[positions], owned, first_of, owner_rows)
 
     def read_only(self, keys: Keys, name: str) -> torch.Tensor:
         """Like pull, for evaluation: owners insert and count nothing (unseen keys: init rows)."""
@@ -372,8 +376,8 @@ class ShardedTable:
             if asked is None:
                 asked = self._ask(rec, r, name)
             owned = read(asked.uniq)
-            if keep is not None and self.sparse_rule is not SparseRule.AVERAGE:
-                keep.pulled = owned  # the rows as pulled, for this window's push: not read again
+            if keep is not None and (self.sparse_rule is not SparseRule.AVERAGE or self.shared_rows):
+                keep.pulled = owned  # the rows as pulled, for this window's push (and shares): not read again
             rows = owned[asked.inverse]
             received = asked.received
             back, _ = self._alltoall(rec, torch.from_numpy(rows), received, f"{name}.rows")
@@ -396,7 +400,7 @@ class ShardedTable:
         self._ahead = None
         r = self._routed(keys)
         asked = self._kept(keys, name)
-        firsts = None  # merge.shared_rows: the owner's shared rows and the one value their holders sent
+        firsts = None  # merge.shared_rows: where the owner's shared rows go, and their values
         with self._call("push") as rec:
             values = _host(rows, (len(r), self.width))
             if asked is None:
@@ -416,9 +420,9 @@ class ShardedTable:
                 uniq, mean, count = merge_asked(got.numpy(), asked, divide=True)
                 copies, inverse = got.numpy(), asked.inverse
                 shared = keys.shared if isinstance(keys, WindowExchange) else None
-                if shared is not None and shared.owned.size:  # every holder sent the same bits: the first
+                if shared is not None and shared.owned.size:  # the owner stepped them: its copies, not the holders'
                     at = shared.owned if uniq is asked.uniq else np.searchsorted(uniq, asked.uniq[shared.owned])
-                    firsts = (at, copies[asked.first[shared.owned]])
+                    firsts = (at, shared.rows)
                 if self.sparse_rule is SparseRule.AVERAGE:  # the copies are merged: freed before the write
                     del got, copies
             if self.sparse_rule is not SparseRule.AVERAGE:

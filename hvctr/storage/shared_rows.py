@@ -10,18 +10,22 @@ hottest rows replicated and synchronised every step in the same spirit):
   ceil(N / W) asked for by the most ranks (ties: the order it received them in); an allgather of
   the owners' counts numbers the shared rows 0 .. total - 1 in owner order, and every rank learns
   the number of each row of its working set that is shared (one alltoall of one int64 a row);
-- at every step each rank adds its gradients of the shared rows it touched into a [total, D + 2]
-  buffer (the gradient and a touch count), one allreduce sums it, and every rank that holds a
-  shared row touched by any rank takes the same lazy Adam step on it with the gradient summed over
-  the ranks: sync's step (its mean over the global batch is the sum / W, and Adam's step does not
-  change with the gradients' scale but for eps), with Adam's moments at the scale of the local
-  steps the row takes in windows where it is not shared (hvctr.train.row_sync);
-- at the push every holder sends the same bits, and the owner keeps the first copy (an average of
-  equal floats need not give them back).
+- at the window's start each rank tells each owner which of its shared rows every step will
+  touch; at every step it sends the owners its gradients of the shared rows it touched, each
+  owner sums them over the ranks and takes one lazy Adam step on its own copy of each row any
+  rank touched, with the gradient summed over the ranks: sync's step (its mean over the global
+  batch is the sum / W, and Adam's step does not change with the gradients' scale but for eps),
+  with Adam's moments at the scale of the local steps the row takes in windows where it is not
+  shared; then it serves each rank the values of the rows its next step reads
+  (hvctr.train.row_sync). Only touched rows travel, as in sync's own sparse path;
+- at the push the owner keeps its own copy, Adam's moments included (the holders' copies of a
+  shared row are the values they last read, and are not merged).
 
 Shared rows are a window's choice: nothing persists past its push, so checkpoints and resume are
-those of k-step. The cost is one allreduce of total x (D + 2) floats a step beside the dense
-model's, and one int64 a pulled row.
+those of k-step. The cost, a rank a step: its touched shared rows' gradients out and its next
+step's shared rows in, D + 1 floats each (two alltoalls); a window: one int64 a pulled row and
+one a touched shared row a step (its schedule); an owner keeps its shared rows (full rows) from
+the pull to the push.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class SharedRows:
     positions: np.ndarray  # int64: working-set positions of the shared rows this rank holds
     index: np.ndarray  # int64: each one's number among the shared rows (0 .. total - 1)
     owned: np.ndarray  # int64: as an owner, the keys it shares (indices into its request's distinct keys)
+    owner_first: np.ndarray  # int64 [W + 1]: owner o's shared rows are numbered owner_first[o] .. [o + 1] - 1
+    rows: np.ndarray  # float32 [owned, width]: as an owner, its shared rows (as pulled, then as stepped)
 
 
 def choose_owned(asked_by: np.ndarray, limit: int, world_size: int) -> np.ndarray:

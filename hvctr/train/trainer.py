@@ -106,7 +106,7 @@ class Trainer:
         self._ws_rows = 0  # rows of the last window's working set
         self._merge_ms = 0.0  # dense merge + sparse push of the last window
         self._shared_rows_synced = 0  # merge.shared_rows: rows synchronised, summed over windows
-        self._shared_bytes = 0  # and the bytes of their allreduces (this rank's buffer a step)
+        self._shared_bytes = [0, 0]  # and the bytes this rank sent and received for them
         self.preempted = False
         self._checkpointed_step: int | None = None  # the step the newest checkpoint holds (this run's)
         if start:
@@ -275,6 +275,8 @@ class Trainer:
             if every and (i + 1) % every == 0 and i + 1 < w.num_batches:
                 with self.meter.phase("merge"):  # the dense model alone, inside the window
                     self.reducer.merge(self._moments(), [0, 0], name=f"window{w.index}.dense{i + 1}")
+        if shared is not None:
+            self._shared_bytes = [self._shared_bytes[0] + shared.bytes_sent, self._shared_bytes[1] + shared.bytes_received]
         with self.meter.phase("merge"):
             t0 = time.perf_counter()
             moments = self._moments()
@@ -322,7 +324,8 @@ class Trainer:
         shared = w.exchange.shared if w.exchange is not None else None
         if shared is None or shared.total == 0:  # the same on every rank: the allgathered total
             return None
-        sync = SharedRowSync(self.comm, shared, int(rows.shape[0]), rows.device)
+        touched = [w.batch_unique[i][0] for i in range(w.num_batches)]  # each step's distinct positions
+        sync = SharedRowSync(self.comm, shared, rows, touched, name=f"window{w.index}.shared")
         self._shared_rows_synced += shared.total
         return sync
 
@@ -330,10 +333,9 @@ class Trainer:
         step = self.state.step + i  # this step's index: the same on every rank, and on resume
         idx, g = self._forward_backward(w, i, rows)
         lr = self.lr.sparse(step)
-        if shared is not None:  # comm: the shared rows' gradients, one allreduce (SharedRowSync)
-            idx, g = shared.split_step(rows, idx, g, lr, self.lr.beta1, self.lr.beta2, self.lr.eps,
+        if shared is not None:  # comm: the shared rows' gradients to their owners, values back (SharedRowSync)
+            idx, g = shared.split_step(rows, i, idx, g, lr, self.lr.beta1, self.lr.beta2, self.lr.eps,
                                        name=f"window{w.index}.shared{i}")
-            self._shared_bytes += shared.total * (g.shape[1] + 1) * 4
         sparse_adam_step(rows, idx, g, lr, self.lr.beta1, self.lr.beta2, self.lr.eps)
         if getattr(self.reducer, "powersgd", None) is not None:
             self.reducer.average_gradients(name=f"window{w.index}.step{i}")  # comm: two grouped allreduces
@@ -533,8 +535,9 @@ class Trainer:
             "dense_bytes_per_sample": self.reducer.bytes_sent * self.comm.size / samples,
             "sparse_exchange_bytes": int(sparse_bytes),
             "sparse_bytes_per_sample": sparse_bytes * self.comm.size / samples,
-            # merge.shared_rows: rows synchronised every step (summed over windows), their allreduces' bytes
-            "shared_rows": {"rows": self._shared_rows_synced, "allreduce_bytes": self._shared_bytes},
+            # merge.shared_rows: rows synchronised every step (summed over windows), bytes to and from other ranks
+            "shared_rows": {"rows": self._shared_rows_synced, "bytes_sent": self._shared_bytes[0],
+                            "bytes_received": self._shared_bytes[1]},
             "store": {k: v for k, v in self.store.stats().items() if isinstance(v, (int, float))},
             # the shard's rows and index blocks read, system calls and bytes, by what asked for them
             "shard_traffic": self.store.shard_traffic(),

@@ -1,7 +1,7 @@
 """merge.shared_rows (hvctr.storage.shared_rows, hvctr.train.row_sync) on simulated ranks
-(ThreadComm): the owners choose the rows the most ranks asked for, every holder of a shared row
-takes sync's Adam step at every step and so holds the same bits at the push, the owner keeps them,
-and the other rows merge as before."""
+(ThreadComm): the owners choose the rows the most ranks asked for, take sync's Adam step on each at
+every step, serve every holder the row's current value whenever its step reads it, and keep their
+own copy at the push; the other rows merge as before; only touched rows travel."""
 
 import numpy as np
 import pytest
@@ -51,37 +51,46 @@ def _train(tmp_path, limit):
         rows = table.pull(x, name="w0.pull")
         pulled = rows.clone()
         assert (x.shared is None) == (limit == 0)  # no pull chooses rows where none may be shared
-        sync = SharedRowSync(comm, x.shared, rows.shape[0], rows.device) if limit else None
+        touched = [_grads(comm.rank, step, rows.shape[0])[0] for step in range(STEPS)]
+        sync = SharedRowSync(comm, x.shared, rows, touched, name="w0.shared") if limit else None
+        keys = x.routing.keys
+        held = set(x.shared.positions.tolist()) if limit else set()
+        read = {}  # (key, step): the model columns a shared row had when this rank's step read it
         for step in range(STEPS):
             idx, g = _grads(comm.rank, step, rows.shape[0])
+            for p in idx.tolist():
+                if p in held:
+                    read[int(keys[p]), step] = rows[p, RowLayout(DIM).model].clone()
             if sync is not None:
-                idx, g = sync.split_step(rows, idx, g, LR, B1, B2, EPS, name=f"w0.shared{step}")
+                idx, g = sync.split_step(rows, step, idx, g, LR, B1, B2, EPS, name=f"w0.shared{step}")
             sparse_adam_step(rows, idx, g, LR, B1, B2, EPS)
-        keys = x.routing.keys
-        held = x.shared.positions if limit else np.zeros(0, dtype=np.int64)
-        ends = {int(keys[p]): rows[p].clone() for p in held}
         table.push(x, rows, name="w0.push", steps=STEPS)
+        wire = None
+        if sync is not None:  # per step, the touched shared rows another rank owns
+            lo, hi = x.shared.owner_first[comm.rank], x.shared.owner_first[comm.rank + 1]
+            away = [int(((n < lo) | (n >= hi)).sum()) for n in sync.numbers]
+            wire = (sync.bytes_sent, sync.bytes_received, away)
         every = np.unique(np.concatenate([_keys(r) for r in range(W)]))
         final = table.read_only(every, "final")  # a collective: every rank reads every key once
         stored = {int(k): final[i].clone() for i, k in enumerate(every)}
-        return keys, pulled, ends, stored, x.shared.total if limit else 0
+        return keys, pulled, read, stored, x.shared.total if limit else 0, wire
 
     results, errors, _ = run_ranks(W, rank_fn)
     assert not any(errors), errors
     return results
 
 
-def _reference(results, key):
-    """Sync's steps on one row: the gradients of the ranks that touched it summed (sync's mean
-    times W: the same Adam step up to eps, hvctr.train.row_sync), one Adam step wherever any rank
-    touched it."""
+def _reference(results, key, upto=STEPS):
+    """Sync's steps on one row (the first ``upto``): the gradients of the ranks that touched it
+    summed (sync's mean times W: the same Adam step up to eps, hvctr.train.row_sync), one Adam
+    step wherever any rank touched it."""
     row = None
     for keys, pulled, *_ in results:
         at = np.flatnonzero(keys == key)
         if at.size:
             row = pulled[at[0]].clone()[None]
             break
-    for step in range(STEPS):
+    for step in range(upto):
         total, touched = torch.zeros(1, DIM + 1), False
         for rank, (keys, pulled, *_) in enumerate(results):
             at = np.flatnonzero(keys == key)
@@ -97,28 +106,43 @@ def _reference(results, key):
     return row[0]
 
 
-def test_shared_rows_take_syncs_steps_and_every_holder_keeps_the_same_bits(tmp_path):
+def test_shared_rows_take_syncs_steps_and_every_holder_reads_the_owners_value(tmp_path):
     results = _train(tmp_path, limit=9)  # quota 3 an owner: keys asked for by 3 ranks first, then by 2
     total = results[0][4]
     assert all(r[4] == total for r in results) and 0 < total <= 9
-    shared = set().union(*(r[2] for r in results))
-    assert all(k < 200 for k in shared)  # never a key one rank asked for
+    shared = {key for r in results for key, _ in r[2]}
+    assert shared and all(k < 200 for k in shared)  # never a key one rank asked for
+    m = RowLayout(DIM).model
     for key in shared:
-        copies = [r[2][key] for r in results if key in r[2]]
-        assert len(copies) >= 2
-        for c in copies[1:]:
-            assert torch.equal(c, copies[0])  # the same bits on every holder
+        assert sum(any(k == key for k, _ in r[2]) for r in results) >= 2  # read by two ranks at least
         stored = results[0][3][key]
-        assert torch.equal(stored, copies[0])  # the owner kept them (no average of equal floats)
-        torch.testing.assert_close(stored, _reference(results, key), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(stored, _reference(results, key), rtol=1e-5, atol=1e-6)  # the owner's
         assert float(stored[RowLayout(DIM).step]) >= 1  # they took steps
+    reads = [(key, step, value) for r in results for (key, step), value in r[2].items()]
+    assert any(step > 0 for _, step, _ in reads)
+    for key, step, value in reads:  # every read, on every holder, saw sync's row after the steps before it
+        torch.testing.assert_close(value, _reference(results, key, upto=step)[m], rtol=1e-5, atol=1e-6)
+
+
+def test_only_the_shared_rows_a_step_touches_travel(tmp_path):
+    results = _train(tmp_path, limit=9)
+    total = results[0][4]
+    sent = sum(r[5][0] for r in results)
+    assert sent == sum(r[5][1] for r in results)  # every byte sent is received
+    row = (DIM + 1) * 4  # a gradient out, a value back: the model columns
+    # each rank's touched rows that another rank owns: their gradients at every step, their values
+    # before every step but the first; the schedule: per other owner a count a step, an int64 a row
+    expected = sum(row * (sum(away) + sum(away[1:])) + 8 * (sum(away) + STEPS * (W - 1))
+                   for *_, (_, _, away) in results)
+    assert sent == expected
+    assert sent < W * STEPS * total * (DIM + 2) * 4  # less than an allreduce of every shared row a step
 
 
 def test_the_rows_not_shared_merge_as_without_shared_rows(tmp_path):
     base = _train(tmp_path / "a", limit=0)
     assert base[0][4] == 0 and not base[0][2]
     with_shared = _train(tmp_path / "b", limit=9)
-    shared = set().union(*(r[2] for r in with_shared))
+    shared = {key for r in with_shared for key, _ in r[2]}
     rest = [k for k in base[0][3] if k not in shared]
     assert any(100 <= k < 110 for k in rest) and any(k >= 1000 for k in rest)
     for key in rest:  # the same local steps, the same average at the push
@@ -134,11 +158,14 @@ def test_config_refuses_shared_rows_outside_kstep():
         load_config(None, ["--merge.mode=sync", "--merge.shared_rows=8"])
 
 
-def test_the_planner_counts_the_shared_rows_allreduce():
+def test_the_planner_counts_the_shared_rows_a_step_touches():
     from hvctr.config import MergeMode
     from hvctr.plan.model import Job, shared_row_step_bytes
 
     job = Job(nodes=1, ranks_per_node=3, keys=10**6, dim=8, batch_size_per_rank=256, every_k_steps=4, shared_rows=64)
-    assert shared_row_step_bytes(job) == 66 * (8 + 2) * 4  # 22 rows an owner, D + 1 gradient columns and a count
-    assert shared_row_step_bytes(Job(**{**job.__dict__, "shared_rows": 0})) == 0
-    assert shared_row_step_bytes(Job(**{**job.__dict__, "mode": MergeMode.SYNC})) == 0
+    # at most the step's distinct rows, at most N; 2 / 3 of them another rank's: D + 1 floats out
+    # (the gradient), as many in as an owner's values served, and an int64 of schedule
+    assert shared_row_step_bytes(job, 300) == int(64 * 2 / 3 * (2 * 4 * 9 + 8))
+    assert shared_row_step_bytes(job, 30) == int(30 * 2 / 3 * (2 * 4 * 9 + 8))
+    assert shared_row_step_bytes(Job(**{**job.__dict__, "shared_rows": 0}), 300) == 0
+    assert shared_row_step_bytes(Job(**{**job.__dict__, "mode": MergeMode.SYNC}), 300) == 0
