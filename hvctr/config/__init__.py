@@ -193,11 +193,13 @@ class MergeConfig:
     dense_gradients: DenseGradients = DenseGradients.AUTO
     powersgd_rank: int = 16  # merge.dense_gradients = powersgd: the rank r of each weight matrix's factors
     # kstep: about this many of a window's rows (ceil(N / W) an owner), those the most ranks touch
-    # (at least 2), are synchronised every step like sync's: their gradients summed over the ranks
-    # in one allreduce a step, (D + 2) floats a row, and every rank that holds one takes the same
-    # Adam step; their owners keep the one value every holder has (hvctr.storage.shared_rows). The
-    # rest merge every k steps by sparse_rule. 0: off
-    shared_rows: int = 0
+    # (at least 2), are synchronised every step like sync's: each step's gradients of the ones it
+    # touched go to their owners, which sum them over the ranks, take the Adam step and serve the
+    # values the next step reads (two alltoalls a step, D + 1 floats a touched row each way,
+    # hvctr.train.row_sync); the owners keep their copies at the push. The rest merge every k
+    # steps by sparse_rule. 0: off; -1 (auto): 32,768 from 16 ranks on, 0 below
+    # (hvctr.config.resolve.resolve_merge)
+    shared_rows: int = -1
     # Accuracy at scale (docs/merging.md): W ranks each see 1/W of the data, so averaging
     # their models dilutes progress per sample unless the merge makes up for it.
     # sqrt: chosen by measurement (BENCHMARKS.md, Accuracy against ranks); none: the rates as given
@@ -539,8 +541,8 @@ def _validate(cfg: Config) -> None:
     _require(m.lr_warmup_steps >= 0, "merge.lr_warmup_steps", f"must be >= 0, got {m.lr_warmup_steps}")
     _require(m.k_warmup_steps >= 0, "merge.k_warmup_steps", f"must be >= 0, got {m.k_warmup_steps}")
     _require(m.powersgd_rank >= 1, "merge.powersgd_rank", f"must be >= 1, got {m.powersgd_rank}")
-    _require(m.shared_rows >= 0, "merge.shared_rows", f"must be >= 0 (0: off), got {m.shared_rows}")
-    if m.shared_rows:
+    _require(m.shared_rows >= -1, "merge.shared_rows", f"must be >= -1 (0: off, -1: auto), got {m.shared_rows}")
+    if m.shared_rows > 0:
         _require(m.mode is MergeMode.KSTEP, "merge.shared_rows",
                  "synchronises rows inside k-step windows; merge.mode = sync synchronises every row already")
     if m.dense_gradients is DenseGradients.POWERSGD:

@@ -5,8 +5,8 @@ every rank, a resumed run, the simulation and the planner resolve them the same 
   W ranks take the steps one rank would, on the same samples;
 - ``batch_growth``: the global batch over one rank's (W, or 1 at a fixed global batch), the factor
   the learning-rate rules of hvctr.train.lr scale by;
-- ``resolve_merge``: ``merge.dense_gradients``, ``merge.dense_every_steps = -1`` and
-  ``merge.sparse_rule = auto`` at this world size (why the dense gradients are averaged every step
+- ``resolve_merge``: ``merge.dense_gradients``, ``merge.dense_every_steps = -1``,
+  ``merge.sparse_rule = auto`` and ``merge.shared_rows = -1`` at this world size (why the dense gradients are averaged every step
   and owners scale the rows' moves at many ranks: docs/merging.md).
 """
 
@@ -20,6 +20,8 @@ AUTO_DENSE_RANKS = 32  # merge.dense_every_steps = -1 merges a local dense model
 AUTO_POWERSGD_RANKS = 8  # merge.dense_gradients = auto is powersgd from here on
 AUTO_DENSE_EVERY = 4
 AUTO_MATCHED_RANKS = 8  # merge.sparse_rule = auto is matched from here on, average below
+AUTO_SHARED_RANKS = 16  # merge.shared_rows = -1 shares AUTO_SHARED_ROWS rows a window from here on, none below
+AUTO_SHARED_ROWS = 32768
 
 
 def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
@@ -42,7 +44,17 @@ def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
       and -0.0026), while on data whose rare values carry little signal matched cost 0.0006-0.0007
       at 64 ranks (two seeds): the rule with the smaller worst gap over both data sets. At 8
       ranks, with the dense gradients every step (powersgd), average lost 0.0020 on tail-heavy
-      data and matched 0.0003 at worst (D4M), so it starts at 8 (below 8: not measured)."""
+      data and matched 0.0003 at worst (D4M), so it starts at 8 (below 8: not measured);
+    - ``shared_rows = -1`` (auto) becomes AUTO_SHARED_ROWS (32,768) in kstep mode from
+      AUTO_SHARED_RANKS ranks on, else 0: at a fixed global batch of 15,360 on the two data sets,
+      without them k = 32 lost 0.0020 / 0.0011 (tail-heavy / criteo shape) at 16 ranks, 0.0031 /
+      0.0017 at 32 and 0.0051 / 0.0023 at 64, and k = 8 0.0011 on the criteo shape at 32 and 64;
+      with them k = 32 0.0012 / 0.0002, 0.0015 / 0.0001, 0.0017 / 0.0002 (two seeds at 64) and
+      k = 8 within 0.0008 everywhere, for 0.35-0.92 MB a rank a step (docs/merging.md); below
+      16 ranks not measured with them."""
+    if cfg.shared_rows < 0:
+        many = cfg.mode is MergeMode.KSTEP and world_size >= AUTO_SHARED_RANKS
+        cfg = dataclasses.replace(cfg, shared_rows=AUTO_SHARED_ROWS if many else 0)
     if cfg.sparse_rule is SparseRule.AUTO:
         many = cfg.mode is MergeMode.KSTEP and world_size >= AUTO_MATCHED_RANKS
         cfg = dataclasses.replace(cfg, sparse_rule=SparseRule.MATCHED if many else SparseRule.AVERAGE)

@@ -186,6 +186,8 @@ class Trainer:
                  + (f" (from 1 over the first {schedule.k_warmup_steps} steps)" if schedule.k_warmup_steps else "")
                  + (f", dense gradients averaged every step (powersgd, rank {self.merge_cfg.powersgd_rank})"
                     if getattr(self.reducer, "powersgd", None) is not None else "")
+                 + (f", {self.merge_cfg.shared_rows:,} shared rows a window synchronised every step"
+                    if self.cfg.merge.mode is MergeMode.KSTEP and self.merge_cfg.shared_rows else "")
                  + (f", owners' rule {self.merge_cfg.sparse_rule.value}"
                     if self.cfg.merge.mode is MergeMode.KSTEP and self.merge_cfg.sparse_rule is not SparseRule.AVERAGE
                     else "")

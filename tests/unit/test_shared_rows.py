@@ -153,9 +153,24 @@ def test_the_rows_not_shared_merge_as_without_shared_rows(tmp_path):
 
 def test_config_refuses_shared_rows_outside_kstep():
     with pytest.raises(ValueError, match="merge.shared_rows"):
-        load_config(None, ["--merge.shared_rows=-1"])
+        load_config(None, ["--merge.shared_rows=-2"])
     with pytest.raises(ValueError, match="merge.shared_rows"):
         load_config(None, ["--merge.mode=sync", "--merge.shared_rows=8"])
+
+
+def test_auto_shares_rows_from_the_ranks_where_the_merge_lost_them():
+    from hvctr.config.resolve import AUTO_SHARED_RANKS, AUTO_SHARED_ROWS, resolve_merge
+
+    cfg = load_config(None, [])
+    assert cfg.merge.shared_rows == -1  # the default: auto
+    assert resolve_merge(cfg.merge, AUTO_SHARED_RANKS).shared_rows == AUTO_SHARED_ROWS
+    assert resolve_merge(cfg.merge, AUTO_SHARED_RANKS - 1).shared_rows == 0
+    assert resolve_merge(cfg.merge, 2).shared_rows == 0  # the 2-rank path is unchanged
+    sync = load_config(None, ["--merge.mode=sync"])  # auto in sync mode: none, and no error
+    assert resolve_merge(sync.merge, 64).shared_rows == 0
+    explicit = load_config(None, ["--merge.shared_rows=100"])
+    assert resolve_merge(explicit.merge, 2).shared_rows == 100 and resolve_merge(explicit.merge, 64).shared_rows == 100
+    assert resolve_merge(load_config(None, ["--merge.shared_rows=0"]).merge, 64).shared_rows == 0
 
 
 def test_the_planner_counts_the_shared_rows_a_step_touches():
