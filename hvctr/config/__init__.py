@@ -46,7 +46,7 @@ class AdamScaling(str, enum.Enum):
 
 
 class SparseRule(str, enum.Enum):
-    AUTO = "auto"  # matched from 8 ranks on (kstep), average below (hvctr.config.resolve.resolve_merge)
+    AUTO = "auto"  # matched from 4 ranks on (kstep), average below (hvctr.config.resolve.resolve_merge)
     AVERAGE = "average"  # an owner keeps the mean of the contributors' copies of a row
     SUM = "sum"  # old + the sum of the contributors' moves
     SQRT = "sqrt"  # old + sqrt(contributors) x their mean move
@@ -54,7 +54,7 @@ class SparseRule(str, enum.Enum):
 
 
 class DenseGradients(str, enum.Enum):
-    AUTO = "auto"  # powersgd from 8 ranks on (kstep, the local merge's knobs left alone), local below (hvctr.config.resolve)
+    AUTO = "auto"  # powersgd from 4 ranks on (kstep, the local merge's knobs left alone), local below (hvctr.config.resolve)
     LOCAL = "local"  # kstep: each rank's dense Adam steps on its own gradients; the model merged
     POWERSGD = "powersgd"  # kstep: the gradients averaged every step, low-rank (hvctr.train.merger.PowerSGD)
 
@@ -189,7 +189,7 @@ class MergeConfig:
     # kstep's dense model: local (its own Adam steps on each rank, merged as above) or powersgd (the
     # gradients averaged every step as rank-r factors with error feedback, Vogels et al. arXiv
     # 1905.13727: every rank takes the same Adam step, the rows still merge every k steps); auto:
-    # powersgd from 8 ranks on, chosen on two data sets (docs/merging.md), local below
+    # powersgd from 4 ranks on, chosen on two data sets (docs/merging.md), local below
     dense_gradients: DenseGradients = DenseGradients.AUTO
     powersgd_rank: int = 16  # merge.dense_gradients = powersgd: the rank r of each weight matrix's factors
     # kstep: about this many of a window's rows (ceil(N / W) an owner), those the most ranks touch

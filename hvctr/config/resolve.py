@@ -17,9 +17,9 @@ import dataclasses
 from hvctr.config import Compression, Config, DataConfig, DenseGradients, MergeConfig, MergeMode, SparseRule
 
 AUTO_DENSE_RANKS = 32  # merge.dense_every_steps = -1 merges a local dense model every 4 steps from here on
-AUTO_POWERSGD_RANKS = 8  # merge.dense_gradients = auto is powersgd from here on
+AUTO_POWERSGD_RANKS = 4  # merge.dense_gradients = auto is powersgd from here on
 AUTO_DENSE_EVERY = 4
-AUTO_MATCHED_RANKS = 8  # merge.sparse_rule = auto is matched from here on, average below
+AUTO_MATCHED_RANKS = 4  # merge.sparse_rule = auto is matched from here on, average below
 AUTO_SHARED_RANKS = 16  # merge.shared_rows = -1 shares AUTO_SHARED_ROWS rows a window from here on, none below
 AUTO_SHARED_ROWS = 32768
 
@@ -34,7 +34,9 @@ def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
       bytes) lost 0.0020 / +0.0009 at 8 ranks, 0.0004 / 0.0007 at 16, 0.0006 / 0.0011 at 32 and
       0.0010 / 0.0011 at 64, against 0.0036 / +0.0004, 0.0012 / 0.0014, 0.0018 / 0.0021 and
       0.0026 / 0.0024 with local dense steps (merged every 4 steps in fp16 from 32 ranks on: 12.5%
-      of the bytes); below 8 ranks not measured;
+      of the bytes). At 4 ranks, with matched rows, +0.0001 / 0.0000 (k = 8) and 0.0002 / 0.0001
+      (k = 32) against 0.0015 / +0.0003 and 0.0036 / +0.0004 with the local dense model and the
+      owners' average; at 2 ranks that path stays (0.0004 / +0.0002 and 0.0012 / +0.0002);
 
     - ``dense_every_steps = -1`` (auto) becomes 4 steps with float16 moves (``compression =
       fp16``) in kstep mode from AUTO_DENSE_RANKS ranks on, else 0 (the window's end);
@@ -44,7 +46,8 @@ def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
       and -0.0026), while on data whose rare values carry little signal matched cost 0.0006-0.0007
       at 64 ranks (two seeds): the rule with the smaller worst gap over both data sets. At 8
       ranks, with the dense gradients every step (powersgd), average lost 0.0020 on tail-heavy
-      data and matched 0.0003 at worst (D4M), so it starts at 8 (below 8: not measured);
+      data and matched 0.0003 at worst (D4M); at 4 ranks with powersgd, matched 0.0002 at worst
+      (the local path lost 0.0036 on tail-heavy data at k = 32), so it starts at 4;
     - ``shared_rows = -1`` (auto) becomes AUTO_SHARED_ROWS (32,768) in kstep mode from
       AUTO_SHARED_RANKS ranks on, else 0: at a fixed global batch of 15,360 on the two data sets,
       without them k = 32 lost 0.0020 / 0.0011 (tail-heavy / criteo shape) at 16 ranks, 0.0031 /

@@ -76,13 +76,13 @@ def test_a_fixed_global_batch_is_dealt_over_the_ranks_and_grows_nothing():
     assert fixed.factor(0) == 1.0 and (fixed.beta1, fixed.beta2, fixed.eps) == (0.9, 0.999, 1e-8)
 
 
-def test_dense_gradients_every_step_from_8_ranks_on_by_default():
+def test_dense_gradients_every_step_from_4_ranks_on_by_default():
     from hvctr.config import Compression, DenseGradients, MergeConfig, MergeMode, SparseRule
     from hvctr.config.resolve import AUTO_POWERSGD_RANKS, resolve_merge
 
     auto = MergeConfig(every_k_steps=8)
     assert auto.dense_every_steps == -1 and auto.dense_gradients is DenseGradients.AUTO and auto.powersgd_rank == 16
-    assert AUTO_POWERSGD_RANKS == 8
+    assert AUTO_POWERSGD_RANKS == 4
     small = resolve_merge(auto, AUTO_POWERSGD_RANKS - 1)
     assert small.dense_every_steps == 0 and small.compression is Compression.NONE
     assert small.dense_gradients is DenseGradients.LOCAL  # the 2-rank benchmarks unchanged
@@ -100,17 +100,17 @@ def test_dense_gradients_every_step_from_8_ranks_on_by_default():
     assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).dense_gradients is DenseGradients.LOCAL
     assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).compression is Compression.NONE
     chosen = MergeConfig(every_k_steps=8, dense_every_steps=0, sparse_rule=SparseRule.SQRT,
-                         dense_gradients=DenseGradients.LOCAL)
+                         dense_gradients=DenseGradients.LOCAL, shared_rows=0)
     assert resolve_merge(chosen, 64) is chosen  # what the user sets is kept
     assert resolve_merge(MergeConfig(every_k_steps=8, dense_every_steps=2), 2).dense_every_steps == 2
 
 
-def test_owners_scale_the_rows_moves_from_8_ranks_on_by_default():
+def test_owners_scale_the_rows_moves_from_4_ranks_on_by_default():
     from hvctr.config import MergeConfig, MergeMode, SparseRule
     from hvctr.config.resolve import AUTO_MATCHED_RANKS, resolve_merge
 
     auto = MergeConfig(every_k_steps=8)
-    assert auto.sparse_rule is SparseRule.AUTO and AUTO_MATCHED_RANKS == 8
+    assert auto.sparse_rule is SparseRule.AUTO and AUTO_MATCHED_RANKS == 4
     assert resolve_merge(auto, AUTO_MATCHED_RANKS - 1).sparse_rule is SparseRule.AVERAGE
     assert resolve_merge(auto, 2).sparse_rule is SparseRule.AVERAGE  # the 2-rank benchmarks unchanged
     assert resolve_merge(auto, AUTO_MATCHED_RANKS).sparse_rule is SparseRule.MATCHED
