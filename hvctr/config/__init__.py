@@ -197,7 +197,7 @@ class MergeConfig:
     # touched go to their owners, which sum them over the ranks, take the Adam step and serve the
     # values the next step reads (two alltoalls a step, D + 1 floats a touched row each way,
     # hvctr.train.row_sync); the owners keep their copies at the push. The rest merge every k
-    # steps by sparse_rule. 0: off; -1 (auto): 32,768 from 16 ranks on, 0 below
+    # steps by sparse_rule. 0: off; -1 (auto): 32,768 from 32 ranks on (from 16 where k > 8), 0 below
     # (hvctr.config.resolve.resolve_merge)
     shared_rows: int = -1
     # Accuracy at scale (docs/merging.md): W ranks each see 1/W of the data, so averaging

@@ -20,7 +20,9 @@ AUTO_DENSE_RANKS = 32  # merge.dense_every_steps = -1 merges a local dense model
 AUTO_POWERSGD_RANKS = 4  # merge.dense_gradients = auto is powersgd from here on
 AUTO_DENSE_EVERY = 4
 AUTO_MATCHED_RANKS = 4  # merge.sparse_rule = auto is matched from here on, average below
-AUTO_SHARED_RANKS = 16  # merge.shared_rows = -1 shares AUTO_SHARED_ROWS rows a window from here on, none below
+AUTO_SHARED_RANKS = 32  # merge.shared_rows = -1 shares AUTO_SHARED_ROWS rows a window from here on,
+AUTO_SHARED_RANKS_LONG = 16  # and from here on where k > AUTO_SHARED_LONG_K; none below
+AUTO_SHARED_LONG_K = 8
 AUTO_SHARED_ROWS = 32768
 
 
@@ -49,14 +51,17 @@ def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
       data and matched 0.0003 at worst (D4M); at 4 ranks with powersgd, matched 0.0002 at worst
       (the local path lost 0.0036 on tail-heavy data at k = 32), so it starts at 4;
     - ``shared_rows = -1`` (auto) becomes AUTO_SHARED_ROWS (32,768) in kstep mode from
-      AUTO_SHARED_RANKS ranks on, else 0: at a fixed global batch of 15,360 on the two data sets,
+      AUTO_SHARED_RANKS (32) ranks on, and from AUTO_SHARED_RANKS_LONG (16) where k > 8, else 0:
+      at 16 ranks k = 8 held without them (0.0004 / 0.0008) and they would cost the most bytes
+      there (0.8-0.9 MB a rank a step). At a fixed global batch of 15,360 on the two data sets,
       without them k = 32 lost 0.0020 / 0.0011 (tail-heavy / criteo shape) at 16 ranks, 0.0031 /
       0.0017 at 32 and 0.0051 / 0.0023 at 64, and k = 8 0.0011 on the criteo shape at 32 and 64;
       with them k = 32 0.0012 / 0.0002, 0.0015 / 0.0001, 0.0017 / 0.0002 (two seeds at 64) and
       k = 8 within 0.0008 everywhere, for 0.35-0.92 MB a rank a step (docs/merging.md); below
       16 ranks not measured with them."""
     if cfg.shared_rows < 0:
-        many = cfg.mode is MergeMode.KSTEP and world_size >= AUTO_SHARED_RANKS
+        many = cfg.mode is MergeMode.KSTEP and (
+            world_size >= AUTO_SHARED_RANKS or (world_size >= AUTO_SHARED_RANKS_LONG and cfg.every_k_steps > AUTO_SHARED_LONG_K))
         cfg = dataclasses.replace(cfg, shared_rows=AUTO_SHARED_ROWS if many else 0)
     if cfg.sparse_rule is SparseRule.AUTO:
         many = cfg.mode is MergeMode.KSTEP and world_size >= AUTO_MATCHED_RANKS

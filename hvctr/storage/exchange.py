@@ -400,7 +400,7 @@ class ShardedTable:
         self._ahead = None
         r = self._routed(keys)
         asked = self._kept(keys, name)
-        firsts = None  # merge.shared_rows: where the owner's shared rows go, and their values
+        owners_rows = None  # merge.shared_rows: where the owner's shared rows go, and their values
         with self._call("push") as rec:
             values = _host(rows, (len(r), self.width))
             if asked is None:
@@ -422,7 +422,7 @@ class ShardedTable:
                 shared = keys.shared if isinstance(keys, WindowExchange) else None
                 if shared is not None and shared.owned.size:  # the owner stepped them: its copies, not the holders'
                     at = shared.owned if uniq is asked.uniq else np.searchsorted(uniq, asked.uniq[shared.owned])
-                    firsts = (at, shared.rows)
+                    owners_rows = (at, shared.rows)
                 if self.sparse_rule is SparseRule.AVERAGE:  # the copies are merged: freed before the write
                     del got, copies
             if self.sparse_rule is not SparseRule.AVERAGE:
@@ -434,8 +434,8 @@ class ShardedTable:
                 spread = (contributor_spread(copies, inverse, old, count, self.store.layout)
                           if self.sparse_rule is SparseRule.MATCHED else None)
                 mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count, spread, steps)
-            if firsts is not None:
-                mean[firsts[0]] = firsts[1]
+            if owners_rows is not None:
+                mean[owners_rows[0]] = owners_rows[1]
             self._store_merged(uniq, mean, ahead)
 
     def _store_merged(self, uniq: np.ndarray, mean: np.ndarray, ahead: WindowExchange | None) -> None:

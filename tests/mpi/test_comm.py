@@ -90,3 +90,9 @@ def test_rank_logging(comm, capsys):
     else:
         assert "hello" not in out + err and f"[r{comm.rank} " in err and "careful" in err
     comm.barrier()
+
+
+def test_alltoall_with_every_split_empty(comm):
+    # a step of merge.shared_rows where no rank touched a shared row: every rank sends nothing
+    out, received = comm.alltoall(torch.zeros((0, 17), dtype=torch.float32), [0] * comm.size, name="t.a2a.none")
+    assert out.shape == (0, 17) and received.tolist() == [0] * comm.size

@@ -36,7 +36,10 @@ def _keys(rank: int) -> np.ndarray:
 
 
 def _grads(rank: int, step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's touched working-set positions (sorted, distinct) and their gradients."""
+    """A step's touched working-set positions (sorted, distinct) and their gradients; step 2
+    touches nothing on any rank (every alltoall of that step is empty)."""
+    if step == 2:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, DIM + 1)
     g = torch.Generator().manual_seed(97 * rank + step)
     idx = torch.sort(torch.randperm(n, generator=g)[: n // 2]).values
     return idx, torch.randn(idx.numel(), DIM + 1, generator=g)
@@ -159,12 +162,16 @@ def test_config_refuses_shared_rows_outside_kstep():
 
 
 def test_auto_shares_rows_from_the_ranks_where_the_merge_lost_them():
-    from hvctr.config.resolve import AUTO_SHARED_RANKS, AUTO_SHARED_ROWS, resolve_merge
+    from hvctr.config.resolve import AUTO_SHARED_RANKS, AUTO_SHARED_RANKS_LONG, AUTO_SHARED_ROWS, resolve_merge
 
-    cfg = load_config(None, [])
+    cfg = load_config(None, ["--merge.every_k_steps=8"])
     assert cfg.merge.shared_rows == -1  # the default: auto
-    assert resolve_merge(cfg.merge, AUTO_SHARED_RANKS).shared_rows == AUTO_SHARED_ROWS
-    assert resolve_merge(cfg.merge, AUTO_SHARED_RANKS - 1).shared_rows == 0
+    assert (AUTO_SHARED_RANKS, AUTO_SHARED_RANKS_LONG, AUTO_SHARED_ROWS) == (32, 16, 32768)
+    assert resolve_merge(cfg.merge, 32).shared_rows == AUTO_SHARED_ROWS
+    assert resolve_merge(cfg.merge, 31).shared_rows == 0  # k = 8 held without them at 16 ranks
+    long = load_config(None, ["--merge.every_k_steps=32"])
+    assert resolve_merge(long.merge, 16).shared_rows == AUTO_SHARED_ROWS  # k = 32 did not
+    assert resolve_merge(long.merge, 15).shared_rows == 0
     assert resolve_merge(cfg.merge, 2).shared_rows == 0  # the 2-rank path is unchanged
     sync = load_config(None, ["--merge.mode=sync"])  # auto in sync mode: none, and no error
     assert resolve_merge(sync.merge, 64).shared_rows == 0
