@@ -200,6 +200,9 @@ class MergeConfig:
     # steps by sparse_rule. 0: off; -1 (auto): 32,768 from 32 ranks on (from 16 where k > 8), 0 below
     # (hvctr.config.resolve.resolve_merge)
     shared_rows: int = -1
+    # kstep, shared rows: their gradients and values travel as bfloat16 (half the bytes); the owner
+    # sums the gradients and keeps the rows in float32, and a holder reads the rounded values
+    shared_rows_bf16: bool = False
     # Accuracy at scale (docs/merging.md): W ranks each see 1/W of the data, so averaging
     # their models dilutes progress per sample unless the merge makes up for it.
     # sqrt: chosen by measurement (BENCHMARKS.md, Accuracy against ranks); none: the rates as given

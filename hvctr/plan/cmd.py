@@ -139,7 +139,7 @@ def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows:
                every_k_steps=m.every_k_steps, mode=m.mode,
                states=m.states, compression=m.compression, dense_every_steps=m.dense_every_steps,
                powersgd_rank=m.powersgd_rank if m.dense_gradients is DenseGradients.POWERSGD else 0,
-               shared_rows=m.shared_rows,
+               shared_rows=m.shared_rows, shared_rows_bf16=m.shared_rows_bf16,
                # every key known, a job of several epochs: a later pass, whose windows the log of the last finds
                logged_pass=(s.position_log and s.shard_io.value == "pread" and not pass_rows
                             and cfg.train.epochs > 1),

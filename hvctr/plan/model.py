@@ -13,7 +13,7 @@ the code), per rank unless it says otherwise:
     warm  keys out U f 8                                          (prefetch thread)
     push  keys and rows out U f (8 + row)                         kstep
     push_gradients  U f (8 + 4 (D + 1))                           sync
-    shared rows  2 t f 4 (D + 1) + 8 t f a step, t <= min(N, D(B))  (merge.shared_rows)
+    shared rows  2 t f 4 (D + 1) + 8 t f a step, t <= min(N, D(B))  (merge.shared_rows; bf16: 2 for 4)
     dense payload per merge: (P + P [m] + P [v]) * wire bytes + 8 (the flags)   kstep
                              P * wire bytes + 8                                  sync
     merge.dense_gradients = powersgd: every step 4 (sum of r (out + in) over the factored weights
@@ -89,6 +89,7 @@ class Job:
     dense_every_steps: int = 0  # merge.dense_every_steps: dense merges inside a window too
     powersgd_rank: int = 0  # merge.dense_gradients = powersgd: its rank r (0: local dense steps, merged)
     shared_rows: int = 0  # merge.shared_rows: rows synchronised every step (hvctr.storage.shared_rows)
+    shared_rows_bf16: bool = False  # merge.shared_rows_bf16: their gradients and values as bfloat16
     # a pass after the first over the same data, with storage.position_log: the cold rows' index
     # blocks come from the log of the same window of the last pass (hvctr.storage.position_log)
     logged_pass: bool = False
@@ -235,7 +236,8 @@ def shared_row_step_bytes(job: "Job", step_rows: float) -> int:
         return 0
     W = job.world_size
     touched = min(float(job.shared_rows), float(step_rows)) * (W - 1) / W
-    return int(touched * (2 * 4 * RowLayout(job.dim).model_width + 8))
+    wire = 2 if job.shared_rows_bf16 else 4
+    return int(touched * (2 * wire * RowLayout(job.dim).model_width + 8))
 
 
 def dense_payload_bytes(params: int, mode: MergeMode, states: MergeStates, compression: Compression) -> int:

@@ -37,8 +37,10 @@ class SharedRowSync:
     per window (a collective), and calls ``split_step`` at each of the window's steps."""
 
     def __init__(self, comm: "Comm", shared: SharedRows, rows: torch.Tensor,
-                 touched: Sequence[np.ndarray | torch.Tensor], name: str) -> None:
+                 touched: Sequence[np.ndarray | torch.Tensor], name: str, bf16: bool = False) -> None:
         self.comm, self.shared, self.total = comm, shared, shared.total
+        self.bf16 = bool(bf16)  # merge.shared_rows_bf16: gradients and values as bfloat16 on the wire
+        self.float_bytes = 2 if self.bf16 else 4
         self.layout = RowLayout.of_width(int(rows.shape[1]))
         self.bytes_sent = self.bytes_received = 0
         world, me = comm.size, comm.rank
@@ -111,8 +113,9 @@ class SharedRowSync:
         send = grad[mine].detach().cpu()[torch.from_numpy(order)].contiguous()
         splits = self.splits[step]
         # comm: alltoall of the shared rows' gradients to their owners, every step
-        got, received = self.comm.alltoall(send, [int(s) for s in splits], f"{name}.grads")
-        self._count(_off_rank(splits, me) * 4 * c, _off_rank(received, me) * 4 * c)
+        got, received = self.comm.alltoall(self._wire(send), [int(s) for s in splits], f"{name}.grads")
+        got = self._unwire(got)
+        self._count(_off_rank(splits, me) * self.float_bytes * c, _off_rank(received, me) * self.float_bytes * c)
         local = self.incoming[step]
         if local.size:  # summed in ascending source rank (np.add.at is sequential), then one step a row
             acc = np.zeros((self.owned.shape[0], c), dtype=np.float32)
@@ -126,12 +129,23 @@ class SharedRowSync:
             values = self.owned[torch.from_numpy(need), m].contiguous()
             out = self.incoming_splits[step + 1]
             # comm: alltoall of the rows each rank's next step reads, from their owners
-            back, _ = self.comm.alltoall(values, [int(s) for s in out], f"{name}.values")
-            self._count(_off_rank(out, me) * 4 * c, _off_rank(self.splits[step + 1], me) * 4 * c)
+            back, _ = self.comm.alltoall(self._wire(values), [int(s) for s in out], f"{name}.values")
+            back = self._unwire(back)
+            self._count(_off_rank(out, me) * self.float_bytes * c,
+                        _off_rank(self.splits[step + 1], me) * self.float_bytes * c)
             at = torch.from_numpy(self.held_at[self.numbers[step + 1]]).to(rows.device)
             rows[at, m] = back.to(rows.device)
         rest = torch.nonzero(~mine).reshape(-1)
         return idx[rest], grad[rest]
+
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        """float32 as it travels: itself, or rounded to bfloat16 and sent as its int16 bits (the
+        collectives carry integer types everywhere; bfloat16, not everywhere)."""
+        return t.to(torch.bfloat16).view(torch.int16) if self.bf16 else t
+
+    def _unwire(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.bfloat16).to(torch.float32) if self.bf16 else t
 
 
 def _ints(splits) -> list[int]:

@@ -327,7 +327,8 @@ class Trainer:
         if shared is None or shared.total == 0:  # the same on every rank: the allgathered total
             return None
         touched = [w.batch_unique[i][0] for i in range(w.num_batches)]  # each step's distinct positions
-        sync = SharedRowSync(self.comm, shared, rows, touched, name=f"window{w.index}.shared")
+        sync = SharedRowSync(self.comm, shared, rows, touched, name=f"window{w.index}.shared",
+                             bf16=self.merge_cfg.shared_rows_bf16)
         self._shared_rows_synced += shared.total
         return sync
 

@@ -45,7 +45,7 @@ def _grads(rank: int, step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, torch.randn(idx.numel(), DIM + 1, generator=g)
 
 
-def _train(tmp_path, limit):
+def _train(tmp_path, limit, bf16=False):
     def rank_fn(comm):
         store = EmbeddingStore(StorageConfig(dim=DIM, rows_per_rank=1000), tmp_path / f"s{comm.rank}.h5",
                                rank=comm.rank, world_size=W)
@@ -55,7 +55,7 @@ def _train(tmp_path, limit):
         pulled = rows.clone()
         assert (x.shared is None) == (limit == 0)  # no pull chooses rows where none may be shared
         touched = [_grads(comm.rank, step, rows.shape[0])[0] for step in range(STEPS)]
-        sync = SharedRowSync(comm, x.shared, rows, touched, name="w0.shared") if limit else None
+        sync = SharedRowSync(comm, x.shared, rows, touched, name="w0.shared", bf16=bf16) if limit else None
         keys = x.routing.keys
         held = set(x.shared.positions.tolist()) if limit else set()
         read = {}  # (key, step): the model columns a shared row had when this rank's step read it
@@ -127,18 +127,36 @@ def test_shared_rows_take_syncs_steps_and_every_holder_reads_the_owners_value(tm
         torch.testing.assert_close(value, _reference(results, key, upto=step)[m], rtol=1e-5, atol=1e-6)
 
 
-def test_only_the_shared_rows_a_step_touches_travel(tmp_path):
-    results = _train(tmp_path, limit=9)
+@pytest.mark.parametrize("bf16", [False, True])
+def test_only_the_shared_rows_a_step_touches_travel(tmp_path, bf16):
+    results = _train(tmp_path, limit=9, bf16=bf16)
     total = results[0][4]
     sent = sum(r[5][0] for r in results)
     assert sent == sum(r[5][1] for r in results)  # every byte sent is received
-    row = (DIM + 1) * 4  # a gradient out, a value back: the model columns
+    row = (DIM + 1) * (2 if bf16 else 4)  # a gradient out, a value back: the model columns (bfloat16: 2 bytes)
     # each rank's touched rows that another rank owns: their gradients at every step, their values
     # before every step but the first; the schedule: per other owner a count a step, an int64 a row
     expected = sum(row * (sum(away) + sum(away[1:])) + 8 * (sum(away) + STEPS * (W - 1))
                    for *_, (_, _, away) in results)
     assert sent == expected
     assert sent < W * STEPS * total * (DIM + 2) * 4  # less than an allreduce of every shared row a step
+
+
+def test_a_bfloat16_wire_reads_and_steps_within_its_rounding(tmp_path):
+    exact = _train(tmp_path / "a", limit=9)
+    rounded = _train(tmp_path / "b", limit=9, bf16=True)
+    m = RowLayout(DIM).model
+    shared = {key for r in exact for key, _ in r[2]}
+    assert shared == {key for r in rounded for key, _ in r[2]}
+    for key in shared:  # the owner steps in float32 on gradients rounded to 8 bits of mantissa
+        torch.testing.assert_close(rounded[0][3][key][m], exact[0][3][key][m], rtol=2e-2, atol=2e-3)
+    differ = 0
+    for r_exact, r_rounded in zip(exact, rounded):
+        for (key, step), value in r_rounded[2].items():
+            if step:  # a value served: the owner's, rounded to bfloat16
+                torch.testing.assert_close(value, value.to(torch.bfloat16).to(torch.float32), rtol=0, atol=0)
+                differ += not torch.equal(value, r_exact[2][key, step])
+    assert differ  # it did round
 
 
 def test_the_rows_not_shared_merge_as_without_shared_rows(tmp_path):
@@ -189,5 +207,6 @@ def test_the_planner_counts_the_shared_rows_a_step_touches():
     # (the gradient), as many in as an owner's values served, and an int64 of schedule
     assert shared_row_step_bytes(job, 300) == int(64 * 2 / 3 * (2 * 4 * 9 + 8))
     assert shared_row_step_bytes(job, 30) == int(30 * 2 / 3 * (2 * 4 * 9 + 8))
+    assert shared_row_step_bytes(Job(**{**job.__dict__, "shared_rows_bf16": True}), 300) == int(64 * 2 / 3 * (2 * 2 * 9 + 8))
     assert shared_row_step_bytes(Job(**{**job.__dict__, "shared_rows": 0}), 300) == 0
     assert shared_row_step_bytes(Job(**{**job.__dict__, "mode": MergeMode.SYNC}), 300) == 0
