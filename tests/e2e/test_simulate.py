@@ -88,7 +88,7 @@ def evaluation(run_dir: Path) -> dict:
 
 @pytest.mark.parametrize("np_,mode", [(2, "kstep"), (3, "kstep"), (3, "sync"), (3, "kstep-dense2"), (3, "kstep-matched"),
                                       (3, "kstep-powersgd"), (3, "kstep-shared"),
-                                      (3, "kstep-shared-bf16")])
+                                      (3, "kstep-shared-fp32")])
 def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
     flags = [*SAME, f"--merge.mode={mode.split('-')[0]}", "--merge.every_k_steps=4"]
     if mode == "sync":
@@ -101,8 +101,8 @@ def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
         flags += ["--merge.dense_gradients=powersgd"]
     if mode == "kstep-shared":  # the rows the most ranks touch synchronised every step at their owners
         flags += ["--merge.shared_rows=64"]
-    if mode == "kstep-shared-bf16":  # the same, their gradients and values as bfloat16 on the wire
-        flags += ["--merge.shared_rows=64", "--merge.shared_rows_bf16=true"]
+    if mode == "kstep-shared-fp32":  # the same, their gradients and values as float32 on the wire
+        flags += ["--merge.shared_rows=64", "--merge.shared_rows_bf16=false"]
     train(np_, tmp_path / "mpi", dataset, *flags)
     r = simulate(np_, tmp_path / "sim", dataset, *flags)
     compare(tmp_path / "mpi", tmp_path / "sim")
