@@ -6,8 +6,9 @@ every rank, a resumed run, the simulation and the planner resolve them the same 
 - ``batch_growth``: the global batch over one rank's (W, or 1 at a fixed global batch), the factor
   the learning-rate rules of hvctr.train.lr scale by;
 - ``resolve_merge``: ``merge.dense_gradients``, ``merge.dense_every_steps = -1``,
-  ``merge.sparse_rule = auto`` and ``merge.shared_rows = -1`` at this world size (why the dense gradients are averaged every step
-  and owners scale the rows' moves at many ranks: docs/merging.md).
+  ``merge.sparse_rule = auto`` and ``merge.shared_rows = -1`` at this world size (why the dense
+  gradients are averaged every step, owners scale the rows' moves and the rows the most ranks
+  touch are synchronised at many ranks: docs/merging.md).
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def resolve_merge(cfg: MergeConfig, world_size: int) -> MergeConfig:
       without them k = 32 lost 0.0020 / 0.0011 (tail-heavy / criteo shape) at 16 ranks, 0.0031 /
       0.0017 at 32 and 0.0051 / 0.0023 at 64, and k = 8 0.0011 on the criteo shape at 32 and 64;
       with them k = 32 0.0012 / 0.0002, 0.0015 / 0.0001, 0.0017 / 0.0002 (two seeds at 64) and
-      k = 8 within 0.0008 everywhere, for 0.35-0.92 MB a rank a step (docs/merging.md); below
-      16 ranks not measured with them."""
+      k = 8 within 0.0008 everywhere, for 0.19-0.49 MB a rank a step on their bfloat16 wire
+      (docs/merging.md); below 16 ranks not measured with them."""
     if cfg.shared_rows < 0:
-        many = cfg.mode is MergeMode.KSTEP and (
-            world_size >= AUTO_SHARED_RANKS or (world_size >= AUTO_SHARED_RANKS_LONG and cfg.every_k_steps > AUTO_SHARED_LONG_K))
+        long_windows = world_size >= AUTO_SHARED_RANKS_LONG and cfg.every_k_steps > AUTO_SHARED_LONG_K
+        many = cfg.mode is MergeMode.KSTEP and (world_size >= AUTO_SHARED_RANKS or long_windows)
         cfg = dataclasses.replace(cfg, shared_rows=AUTO_SHARED_ROWS if many else 0)
     if cfg.sparse_rule is SparseRule.AUTO:
         many = cfg.mode is MergeMode.KSTEP and world_size >= AUTO_MATCHED_RANKS

@@ -231,7 +231,8 @@ def shared_row_step_bytes(job: "Job", step_rows: float) -> int:
     """Bytes one rank sends other ranks a step for the shared rows (merge.shared_rows, hvctr.train.
     row_sync), at most: of the t <= min(N, step_rows) shared rows its step touches (``step_rows``:
     a batch's distinct rows), the share f others own: their gradients out, as many values served
-    to the others as their owner (the model columns, float32), and their schedule (an int64)."""
+    to the others as their owner (the model columns, float32 or merge.shared_rows_bf16's bfloat16),
+    and their schedule (an int64)."""
     if not job.shared_rows or job.mode is not MergeMode.KSTEP:
         return 0
     W = job.world_size
