@@ -38,7 +38,7 @@ class SharedRowSync:
 
     def __init__(self, comm: "Comm", shared: SharedRows, rows: torch.Tensor,
                  touched: Sequence[np.ndarray | torch.Tensor], name: str, bf16: bool = False) -> None:
-        self.comm, self.shared, self.total = comm, shared, shared.total
+        self.comm = comm
         self.bf16 = bool(bf16)  # merge.shared_rows_bf16: gradients and values as bfloat16 on the wire
         self.float_bytes = 2 if self.bf16 else 4
         self.layout = RowLayout.of_width(int(rows.shape[1]))
@@ -53,18 +53,20 @@ class SharedRowSync:
         # as a holder: each step's shared numbers, ascending (owner order), and how many go to each owner
         self.numbers: list[np.ndarray] = []
         self.splits: list[np.ndarray] = []
+        bounds = []  # per step, where each owner's numbers start and end in it
         for pos in touched:
             pos = pos.cpu().numpy() if isinstance(pos, torch.Tensor) else np.asarray(pos)
             n = number_at[pos]
             n = np.sort(n[n >= 0])
             self.numbers.append(n)
-            self.splits.append(np.diff(np.searchsorted(n, first)))
+            bounds.append(np.searchsorted(n, first))
+            self.splits.append(np.diff(bounds[-1]))
         steps = len(self.numbers)
         # comm: alltoall of the window's schedule: to each owner, per step the count, then the numbers
         sends = []
         for o in range(world):
-            per_step = [n[np.searchsorted(n, first[o]):np.searchsorted(n, first[o + 1])] for n in self.numbers]
-            sends.append(np.concatenate([np.array([p.size for p in per_step], dtype=np.int64), *per_step]))
+            counts = np.array([s[o] for s in self.splits], dtype=np.int64)
+            sends.append(np.concatenate([counts, *(n[b[o]:b[o + 1]] for n, b in zip(self.numbers, bounds))]))
         got, received = comm.alltoall(torch.from_numpy(np.concatenate(sends)), [s.size for s in sends],
                                       f"{name}.schedule")
         got = got.numpy()
