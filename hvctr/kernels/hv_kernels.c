@@ -284,6 +284,27 @@ void hv_take_rows(const float *rows, int64_t width, const int64_t *idx, int64_t 
     }
 }
 
+/* New rows, as hvctr.formats.init_rows computes them: row i's model columns j < c are
+   uniform in [-scale, scale) from mix64(mix64(keys[i] ^ s) + (j + 1) * golden) >> 40 (24 bits),
+   k / 2^23 - 1 in double and one rounding to float; the rest of the row (Adam's m, v, step) 0.
+   The same operations in the same order as numpy's (no contraction: -ffp-contract=off), so the
+   bits are equal; a pure function of (key, s, scale). */
+void hv_init_rows(const uint64_t *keys, int64_t n, uint64_t s, int64_t c, int64_t width, double scale,
+                  float *out)
+{
+    const uint64_t golden = 0x9E3779B97F4A7C15ULL;
+    for (int64_t i = 0; i < n; ++i) {
+        float *row = out + i * width;
+        uint64_t base = hv_mix64(keys[i] ^ s);
+        for (int64_t j = 0; j < c; ++j) {
+            uint64_t bits = hv_mix64(base + (uint64_t)(j + 1) * golden) >> 40;
+            double unit = (double)bits * 0x1p-23 - 1.0;
+            row[j] = (float)(unit * scale);
+        }
+        memset(row + c, 0, (size_t)(width - c) * sizeof(float));
+    }
+}
+
 /* rows[idx[i]] = src[i] where idx[i] >= 0: the cache's row writes, the same way. */
 void hv_put_rows(float *rows, int64_t width, const int64_t *idx, int64_t n, const float *src)
 {

@@ -91,6 +91,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "hv_probe_claim": ([ptr, i64, ptr, ptr, i64, u64, i64, ptr], i64),
         "hv_take_rows": ([ptr, i64, ptr, i64, ptr], None),
         "hv_put_rows": ([ptr, i64, ptr, i64, ptr], None),
+        "hv_init_rows": ([ptr, i64, u64, i64, i64, f64, ptr], None),
         "hv_gather_split": ([ptr, i64, ptr, i64, i64, ptr, ptr], None),
         "hv_sum_rows_ld": ([ptr, i64, ptr, i64, ptr, i64], None),
         "hv_io_read": ([i64, i64, i64, ptr, i64, ptr, i64, i64, ptr], i64),

@@ -204,6 +204,18 @@ def merge_asked(values: np.ndarray, asked: Asked, divide: bool) -> tuple[np.ndar
     return uniq, acc, count
 
 
+def take_rows(values: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``values[idx]`` (float32 rows; ``idx`` in range, e.g. an owner's answer laid out by its
+    request's inverse): one memcpy a row in C, about 4x numpy's fancy indexing."""
+    lib = _native.lib()
+    if lib is None or values.dtype != np.float32 or values.ndim != 2 or not values.flags.c_contiguous:
+        return values[idx]
+    idx = np.ascontiguousarray(idx, dtype=np.int64)
+    out = np.empty((idx.shape[0], values.shape[1]), dtype=np.float32)
+    lib.hv_take_rows(values.ctypes.data, values.shape[1], idx.ctypes.data, idx.shape[0], out.ctypes.data)
+    return out
+
+
 def held_by(keys: np.ndarray, held: np.ndarray) -> np.ndarray:
     """Whether each of ``keys`` is among ``held`` (both unique uint64): one pass of
     unique_in_order over both, ``held`` first (its keys keep their places)."""
@@ -378,7 +390,7 @@ class ShardedTable:
             owned = read(asked.uniq)
             if keep is not None and (self.sparse_rule is not SparseRule.AVERAGE or self.shared_rows):
                 keep.pulled = owned  # the rows as pulled, for this window's push (and shares): not read again
-            rows = owned[asked.inverse]
+            rows = take_rows(owned, asked.inverse)
             received = asked.received
             back, _ = self._alltoall(rec, torch.from_numpy(rows), received, f"{name}.rows")
             if r.in_order:  # a window's working set is laid out as the rows arrive
