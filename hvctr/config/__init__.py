@@ -154,6 +154,11 @@ class StorageConfig:
     # storage.admit_after > 1. Off: it needs a core to spare per rank (on 2 cores for 2 ranks,
     # 0.99x in memory and 0.97-1.00x out of core, docs/storage.md)
     defer_writes: bool = False
+    # with data.prefetch: the prefetch thread's warm also pulls the next window's rows that no rank
+    # holds in the window training now (their values cannot change before its pull), so the pull
+    # at the window's end reads and sends only the rows both windows hold. The same values; a
+    # working set more in memory a rank. Off with storage.admit_after > 1 or storage.ttl_passes > 0
+    pull_ahead: bool = True
     # pread path: the shard logs where each training window's rows were (16 bytes a key, two files
     # beside it) and the same window of the next pass reads that back instead of an index block per
     # cold key (a pass reads the data in the same order as the one before: hvctr.storage.position_log)

@@ -225,6 +225,11 @@ class RowLayout:
         return hash(self.dim)
 
 
+def init_salt(seed: int) -> np.uint64:
+    """The key salt of init_rows for ``seed``."""
+    return mix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _INIT_SALT)
+
+
 def init_rows(keys: np.ndarray, layout: RowLayout, scale: float, seed: int) -> np.ndarray:
     """Initial rows of ``keys`` (uint64 [n]) as float32 [n, width].
 
@@ -232,17 +237,10 @@ def init_rows(keys: np.ndarray, layout: RowLayout, scale: float, seed: int) -> n
     ``mix64(mix64(key ^ s) + (j + 1) * golden)`` for column j, where s derives from seed;
     m, v and step are 0. Pure function of (key, seed, scale): no state, no torch RNG, so the
     initial model is the same whatever the world size, the order ranks see keys, or the device.
+    The reference: hvctr.kernels.init_rows computes the same bits in C.
     """
-    keys = np.ascontiguousarray(keys, dtype=np.uint64)
-    s = mix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _INIT_SALT)
-    from hvctr.kernels import native  # not at import: the kernels' loader imports this module
-
-    lib = native.lib()
-    if lib is not None and keys.ndim == 1:  # the same bits in one pass (hv_init_rows), 10x numpy's speed
-        out = np.empty((keys.shape[0], layout.width), dtype=np.float32)
-        lib.hv_init_rows(keys.ctypes.data, keys.shape[0], int(s), layout.model_width, layout.width, float(scale),
-                         out.ctypes.data)
-        return out
+    keys = np.asarray(keys, dtype=np.uint64)
+    s = init_salt(seed)
     base = mix64(keys ^ s)
     cols = (np.arange(1, layout.model_width + 1, dtype=np.uint64) * _COLUMN_STEP)
     with np.errstate(over="ignore"):

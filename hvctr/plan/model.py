@@ -22,8 +22,10 @@ the code), per rank unless it says otherwise:
 Time per window is the sum of per-item costs at the measured rates (hvctr.plan.rates):
 
     prep    (prefetch thread) read k B data rows, sort the window's keys twice, warm:
-            route, send keys, bring the owner's shard misses into its cache
-    pull    route, send keys, store reads (hits, new rows), rows back, scatter
+            route, send keys, bring the owner's shard misses into its cache; with
+            storage.pull_ahead, the pull of the rows the window before does not hold
+    pull    route, send keys, store reads (hits, new rows), rows back, scatter; with
+            storage.pull_ahead only the rows the window before holds (rows_held_over)
     compute k * (dense forward/backward + dense Adam + gather/grad-sum of B F keys
             + lazy Adam of D(B) rows + per-step overhead)
     merge   the grouped allreduce, then push: pack, send, merge by key, cache writes
@@ -99,6 +101,9 @@ class Job:
     model: ModelConfig = field(default_factory=ModelConfig)
     pass_rows: int = 0  # rows of a first pass, whose new keys are created as it goes; 0: all keys known
     prefetch: bool = True
+    # storage.pull_ahead (with prefetch): the prefetch thread pulls the next window's rows no rank
+    # holds now; the window's end pulls the rest (rows_held_over)
+    pull_ahead: bool = True
     write_behind: WriteBehind = WriteBehind.AUTO  # storage.write_behind (auto: on where the node's memory is a limit)
 
     @property
@@ -382,6 +387,20 @@ class _Costs:
         return self.r.allreduce_latency_s + self.copy(2 * payload) + self._links(intra, nic)
 
 
+def rows_held_over(job: "Job", curve: KeyCurve) -> tuple[float, float]:
+    """With storage.pull_ahead, the rows a window's pull still answers at the window's end:
+    those the window before holds on some rank (their values wait for its push). Keys drawn
+    independently from ``curve``, D(n) distinct in n draws: (of a rank's D(k B) working-set
+    rows, those among the D(W k B) keys of the whole window before: D(k B) + D(W k B) -
+    D((W + 1) k B); of an owner's D(W k B) / W rows, those in both windows: (2 D(W k B) -
+    D(2 W k B)) / W)."""
+    W, kB = job.world_size, job.k * job.batch_size_per_rank
+    u, whole = curve(kB), curve(W * kB)
+    holder = max(u + whole - curve((W + 1) * kB), 0.0)
+    owner = max(2 * whole - curve(2 * W * kB), 0.0) / W
+    return min(holder, u), min(owner, whole / W)
+
+
 def gpu_kernels_per_step(model: ModelConfig, dim: int) -> int:
     """The kernels one training step runs on a GPU, as torch.profiler counted them on an H200
     (bench.gpu_step): about 108 whatever the model (loss, the sparse path, Adam, zero_grad), 7 a
@@ -429,11 +448,24 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
             if job.prefetch else 0.0)
     prep = c.cpu * k * B / r.data_rows_per_s + c.unique(2 * k * B * F) + r.allreduce_latency_s + warm
     link = r.device_bytes_per_s or (gpu.host_link_bytes_per_s if gpu else 0.0)
+
+    def answer(rows: float, owned: float, new: float) -> float:
+        """An owner's store reads of ``owned`` rows (``new`` of them created), the rows' alltoall
+        and the scatter of a rank's ``rows``, and their copy to the device."""
+        store = c.cpu * (max(owned - new, 0.0) / r.cache_rows_per_s + new / max(r.new_rows_per_s, 1e-9))
+        dev = (rows * row / link) if on_device and link else 0.0
+        return store + c.alltoall(rows * f * row) + c.copy(rows * row) + dev
+
+    keys_out = 2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES)
+    if job.prefetch and job.pull_ahead:
+        # the warm answers the rows the window before holds on no rank (and a byte a key says
+        # which are held over); the window's end answers those, after the push
+        held, held_o = rows_held_over(job, curve)
+        prep += answer(u - held, u_o - held_o, new_o) + c.alltoall(u * f)
+        pull = keys_out + answer(held, held_o, 0.0)
+    else:
+        pull = keys_out + answer(u, u_o, new_o) + (0.0 if job.prefetch else shard_read)
     dev = (u * row / link) if on_device and link else 0.0
-    store = (c.cpu * (max(u_o - new_o, 0.0) / r.cache_rows_per_s + new_o / max(r.new_rows_per_s, 1e-9))
-             + (0.0 if job.prefetch else shard_read))
-    pull = (2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES) + store + c.alltoall(u * f * row)
-            + c.copy(u * row) + dev)
     P = dense_params(job.model, D)
     flops = dense_flops_per_sample(job.model, D) * B
     cpu_compute = 1.0 if on_device else c.cpu  # an accelerator is not shared with other ranks' threads
@@ -559,7 +591,8 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         **{f"shard_{name}_per_window": v for name, v in traffic.items()},
         "shard_reads_from": io.where, "shard_write_behind": behind,
         "step_s": window / k, "bound_by": max(phases, key=phases.get),
-        # time of the main thread's step that is not compute: nothing of the window's end overlaps today
+        # time of the main thread's step that is not compute: the pull of the rows held over (the
+        # rest came ahead, storage.pull_ahead), the dense merge and the push
         "exposed_non_compute_s_per_step": (window - t["compute"]) / k,
         "compute_source": gpu.source if gpu else ("the rates file (GPU unknown)" if on_device else "the rates file"),
         "samples_per_s_per_rank": B * k / window, "samples_per_s": W * B * k / window,
@@ -666,7 +699,8 @@ def _host_bytes_per_rank(job: Job, u: float, params: int) -> float:
     row = RowLayout(job.dim).row_bytes
     window_data = 2 * job.k * job.batch_size_per_rank * (SAMPLE_BYTES + 8 * job.model.num_fields)
     shard = memory_bytes(rows_per_rank(job.keys, job.world_size), job.max_load_factor, job.cpu_cache_bytes)
-    return job.cpu_cache_bytes + 3 * u * row + window_data + 8 * params * 4 + shard + BASE_RANK_BYTES
+    ahead = 2 * u * row if job.prefetch and job.pull_ahead else 0.0  # the next window's rows, as holder and owner
+    return job.cpu_cache_bytes + 3 * u * row + ahead + window_data + 8 * params * 4 + shard + BASE_RANK_BYTES
 
 
 def _device_bytes(job: Job, u: float, params: int) -> float:

@@ -35,6 +35,14 @@ the end of that window's pull, while it trains: the window's end then waits for 
 next window reads alone (the lookahead of Bagpipe, arXiv 2202.12429). A row is stored with
 the same value either way: every reader of the deferred rows but that pull waits for them.
 
+A warm may also answer ahead (``pull_ahead``, storage.pull_ahead): each owner answers at once,
+in the prefetch thread, the rows of the next window that no rank holds in the window now
+training (keys outside the request its last pull answered): nothing writes them before that
+window's pull (the push writes only the rows the training window holds), so they have the
+values the pull would read. That window's pull then reads and sends only the rows both windows
+hold, after the push: the other half of Bagpipe's lookahead. Each holder learns which of its
+rows came early from one alltoall of a byte a key; the rows themselves in a second.
+
 Plain unique keys or a Routing work too (tests, benchmarks, evaluation): ``route(keys)``
 builds their Routing, checking that they are unique; each call then sends its keys.
 """
@@ -158,6 +166,25 @@ class WindowExchange:
     pulled: np.ndarray | None = None
     shared: SharedRows | None = None
     tag: tuple[int, int] | None = None
+    ahead: "PulledAhead | None" = None
+
+
+@dataclass
+class PulledAhead:
+    """What a warm answered ahead of its window's pull (ShardedTable.pull_ahead), and what that
+    pull still answers. As the owner: ``owned``, the rows of ``asked.uniq`` (those answered
+    filled in), ``late`` (indices into ``asked.uniq``: the keys the window before holds, read
+    at the pull), ``late_entries`` (the request's entries of those keys, in message order) and
+    ``late_splits`` (how many of them each rank asked). As a holder: ``rows``, the working set
+    with the rows received filled in, ``late_at`` (where the rest go, in the order they come)
+    and ``late_counts`` (how many each owner sends)."""
+    owned: np.ndarray
+    late: np.ndarray
+    late_entries: np.ndarray
+    late_splits: list[int]
+    rows: np.ndarray
+    late_at: np.ndarray
+    late_counts: list[int]
 
 
 Exchange = WindowExchange | Keys  # what warm, pull and push take
@@ -236,15 +263,21 @@ class ShardedTable:
 
     def __init__(self, comm: "Comm", store: EmbeddingStore, bucket_owner: np.ndarray,
                  device: torch.device | str = "cpu", sparse_rule: SparseRule = SparseRule.AVERAGE,
-                 defer_writes: bool = False, shared_rows: int = 0) -> None:
+                 defer_writes: bool = False, shared_rows: int = 0, pull_ahead: bool = False) -> None:
         """``defer_writes`` (storage.defer_writes): a push given the next window's exchange writes
         the rows that window does not hold after its pull (the module docstring). Off where the
         store admits keys by count (storage.admit_after > 1): the pull's counts would come
         between a deferred row's push and its write. ``shared_rows`` (merge.shared_rows): a pull of
-        a WindowExchange chooses at most that many rows its steps synchronise (``shared``)."""
+        a WindowExchange chooses at most that many rows its steps synchronise (``shared``).
+        ``pull_ahead`` (storage.pull_ahead): a warm of a WindowExchange also answers the rows the
+        window before it does not hold (the module docstring). Off where the store admits keys
+        by count (a read's counts would come before the push's admission checks) or drops rows
+        at a pass's end (storage.ttl_passes: a row read ahead may be dropped before its pull)."""
         self.comm, self.store = comm, store
         self.shared_rows = int(shared_rows)
         self.defer_writes = defer_writes and store.admission is None
+        self.pull_ahead = pull_ahead and store.admission is None and store.cfg.ttl_passes == 0
+        self._held: np.ndarray | None = None  # the keys the last warmed window asked this owner for
         self._ahead: WindowExchange | None = None  # the exchange whose pull may run beside deferred rows
         if sparse_rule is SparseRule.AUTO:
             raise ValueError("merge.sparse_rule = auto is resolved for the world size first "
@@ -342,7 +375,12 @@ class ShardedTable:
         ahead, self._ahead = self._ahead is not None and keys is self._ahead, None
         read = functools.partial(self.store.read, deferred_ok=ahead, tag=window.tag if window is not None else None)
         r = self._routed(keys)
-        rows, asked = self._answer(r, name, "pull", read, asked, keep=window)
+        if window is not None and window.ahead is not None:
+            rows = self._answer_late(window, name, read)
+        else:
+            rows, asked = self._answer(r, name, "pull", read, asked, keep=window)
+            if self.pull_ahead:  # a window no warm answered ahead (the first, where no warm ran)
+                self._held = asked.uniq
         if window is not None:
             window.asked = asked
             if self.shared_rows:
@@ -377,6 +415,61 @@ class ShardedTable:
             if self.sparse_rule is SparseRule.AVERAGE:
                 window.pulled = None  # kept for the shares alone
             return SharedRows(int(counts.sum()), positions, mine[positions], owned, first_of, owner_rows)
+
+    def _answer_ahead(self, x: WindowExchange, name: str) -> None:
+        """The warm's answer ahead (pull_ahead): each owner sends the rows of x's keys that the
+        window warmed before x does not hold (their values cannot change before x's pull) and
+        tells each rank which of its keys wait for the pull; x keeps the rest for it."""
+        asked, r = x.asked, x.routing
+        with self._call("ahead") as rec:
+            held = self._held
+            late_key = (held_by(asked.uniq, held) if held is not None and held.size
+                        else np.zeros(asked.uniq.shape[0], dtype=bool))
+            late_entry = late_key[asked.inverse]  # per key asked, in message order
+            early = np.flatnonzero(~late_key)
+            if early.size == asked.uniq.shape[0]:
+                owned = self.store.read(asked.uniq, tag=x.tag)
+            else:
+                owned = np.empty((asked.uniq.shape[0], self.width), dtype=np.float32)
+                if early.size:
+                    owned[early] = self.store.read(asked.uniq[early], tag=x.tag)
+            source = np.repeat(np.arange(self.comm.size), asked.received)
+            late_entries = np.flatnonzero(late_entry)
+            late_splits = np.bincount(source[late_entries], minlength=self.comm.size).tolist()
+            early_splits = [n - m for n, m in zip(asked.received, late_splits)]
+            # comm: alltoall of a byte a key asked: whether its row waits for the pull
+            flags, _ = self._alltoall(rec, torch.from_numpy(late_entry.view(np.uint8)), asked.received,
+                                      f"{name}.late")
+            back, _ = self._alltoall(rec, torch.from_numpy(take_rows(owned, asked.inverse[~late_entry])),
+                                     early_splits, f"{name}.rows")
+            late_sent = flags.numpy().view(bool)  # in the order this rank sent its keys
+            at = np.arange(len(r)) if r.in_order else r.order  # working-set position of each key sent
+            rows = np.empty((len(r), self.width), dtype=np.float32)
+            rows[at[~late_sent]] = back.numpy()
+            owner = np.repeat(np.arange(self.comm.size), r.splits)
+            late_counts = np.bincount(owner[late_sent], minlength=self.comm.size).tolist()
+            rec["rows"] = float(early.size)
+            rec["late_rows"] = float(asked.uniq.shape[0] - early.size)
+        self._held = asked.uniq
+        x.ahead = PulledAhead(owned, np.flatnonzero(late_key), late_entries, late_splits, rows, at[late_sent],
+                              late_counts)
+
+    def _answer_late(self, x: WindowExchange, name: str, read: Callable[[np.ndarray], np.ndarray]) -> torch.Tensor:
+        """The pull of a window whose warm answered ahead: the rows both windows hold, read
+        after the push, into the working set the warm began."""
+        a, asked = x.ahead, x.asked
+        x.ahead = None
+        with self._call("pull") as rec:
+            if a.late.size:
+                a.owned[a.late] = read(asked.uniq[a.late])
+            back, received = self._alltoall(rec, torch.from_numpy(take_rows(a.owned, asked.inverse[a.late_entries])),
+                                            a.late_splits, f"{name}.rows")
+            if received != a.late_counts:
+                raise ValueError(f"{name}: {received} rows from the owners, {a.late_counts} expected")
+            a.rows[a.late_at] = back.numpy()
+            if self.sparse_rule is not SparseRule.AVERAGE or self.shared_rows:
+                x.pulled = a.owned  # the rows as pulled, for this window's push (and shares)
+            return self._to_device(torch.from_numpy(a.rows))
 
     def read_only(self, keys: Keys, name: str) -> torch.Tensor:
         """Like pull, for evaluation: owners insert and count nothing (unseen keys: init rows)."""
@@ -499,6 +592,8 @@ class ShardedTable:
             asked = self._ask(rec, r, name)
             self.store.warm(asked.uniq, tag=x.tag)
         x.asked = asked
+        if self.pull_ahead and isinstance(keys, WindowExchange):
+            self._answer_ahead(x, f"{name}.ahead")
         return x
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

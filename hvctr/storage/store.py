@@ -35,10 +35,10 @@ import numpy as np
 from hvctr import memcg
 from hvctr.config import StorageConfig, WriteBehind
 from hvctr.formats import default_bucket_owner, mix64, owner_of
-from hvctr.kernels import unique_in_order
+from hvctr.kernels import init_rows, unique_in_order
 from hvctr.kernels.diskio import IOStats
 from hvctr.storage.cache import RowCache
-from hvctr.formats import RowLayout, default_row, init_rows
+from hvctr.formats import RowLayout, default_row
 from hvctr.storage.position_log import Tag
 from hvctr.storage.shard import Shard, recent_positions_for, strictly_increasing
 

@@ -341,7 +341,8 @@ WINDOW_ROW_COPIES = 12  # copies of a window's rows a rank holds at once (pull a
 def rank_memory_beside_cache(cfg: Config) -> int:
     """About what a rank needs beside storage.cpu_cache_bytes: RANK_BASE_MEMORY plus its window's
     rows (k batches, about half their keys unique, at most storage.max_working_set_rows) in
-    WINDOW_ROW_COPIES copies, and the shard's recent positions (a quarter of the cache's bytes:
+    WINDOW_ROW_COPIES copies (two more with storage.pull_ahead: the next window's rows, pulled
+    while this one trains, as holder and owner), and the shard's recent positions (a quarter of the cache's bytes:
     hvctr.storage.shard.RecentPositions). Measured: 1.2-1.6 GiB a rank at k = 8, batch 4096, 26
     fields, dim 16 (BENCHMARKS.md, "A table larger than memory"); this gives 1.36 GiB and the
     positions."""
@@ -351,7 +352,8 @@ def rank_memory_beside_cache(cfg: Config) -> int:
     rows = min(cfg.storage.max_working_set_rows,
                cfg.merge.every_k_steps * cfg.data.batch_size_per_rank * cfg.model.num_fields // 2)
     recent = recent_positions_for(cfg.storage.cpu_cache_bytes) * RECENT_POSITION_BYTES
-    return RANK_BASE_MEMORY + WINDOW_ROW_COPIES * RowLayout(cfg.storage.dim).row_bytes * rows + recent
+    copies = WINDOW_ROW_COPIES + (2 if cfg.storage.pull_ahead and cfg.data.prefetch else 0)  # the next window's, both sides
+    return RANK_BASE_MEMORY + copies * RowLayout(cfg.storage.dim).row_bytes * rows + recent
 
 
 def check_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> list[str]:

@@ -135,7 +135,8 @@ class Trainer:
         store = self.comm.agree(create, name="shard.create")
         return store, ShardedTable(self.comm, store, owner, self.device, self.merge_cfg.sparse_rule,
                                    defer_writes=self.cfg.storage.defer_writes,
-                                   shared_rows=self.merge_cfg.shared_rows)
+                                   shared_rows=self.merge_cfg.shared_rows,
+                                   pull_ahead=self.cfg.storage.pull_ahead and self.cfg.data.prefetch)
 
     def _build_heap_trimmer(self) -> HeapTrimmer:
         """storage.heap_trim: the C heaps' free pages back to the system after each window."""

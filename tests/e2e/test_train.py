@@ -53,16 +53,20 @@ def test_validation_during_training_is_logged_and_read_only(dataset, tmp_path):
 
 @pytest.mark.parametrize("cache_bytes", ["2e5", "1e9"], ids=["cache10pct", "cache100pct"])
 def test_prefetch_on_off_bit_equal(dataset, tmp_path, cache_bytes):
-    """With storage.defer_writes, prefetch on writes the rows the next window does not hold
-    after its pull, beside its steps; off writes every row at the window's end: the same model
-    either way, and as the default (prefetch on, every row written at the window's end)."""
+    """Prefetch on with storage.defer_writes and storage.pull_ahead (the default) writes the rows
+    the next window does not hold after its pull, beside its steps, and pulls in the prefetch
+    thread the next window's rows no rank holds now; prefetch off writes and pulls every row
+    at the window's end; prefetch on without either writes every row at the window's end and
+    pulls every row after it: the same model all three ways."""
     flags = ["--merge.every_k_steps=4", f"--storage.cpu_cache_bytes={cache_bytes}", "--train.max_steps=24"]
     train(2, tmp_path / "on", dataset, *flags, "--data.prefetch=true", "--storage.defer_writes=true")
     train(2, tmp_path / "off", dataset, *flags, "--data.prefetch=false", "--storage.defer_writes=true")
-    train(2, tmp_path / "now", dataset, *flags, "--data.prefetch=true")
-    deferred = [json.loads((tmp_path / run / "summary.json").read_text())["store"]["deferred_rows"]
-                for run in ("on", "off", "now")]
+    train(2, tmp_path / "now", dataset, *flags, "--data.prefetch=true", "--storage.pull_ahead=false")
+    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("on", "off", "now")]
+    deferred = [s["store"]["deferred_rows"] for s in summaries]
     assert deferred[0] > 0 and deferred[1:] == [0, 0], deferred
+    ahead = [(s["exchange"].get("ahead_rows", 0), s["exchange"].get("ahead_late_rows", 0)) for s in summaries]
+    assert ahead[0][0] > 0 and ahead[0][1] > 0 and ahead[1:] == [(0, 0), (0, 0)], ahead
     assert_same_model(tmp_path / "on", tmp_path / "off")
     assert_same_model(tmp_path / "on", tmp_path / "now")
 

@@ -84,20 +84,22 @@ def _reference_merge(ref, contributions):
 
 
 @pytest.mark.parametrize("dist", ["uniform", "zipf"])
-@pytest.mark.parametrize("how", ["keys", "exchange", "prefetch"])
+@pytest.mark.parametrize("how", ["keys", "exchange", "prefetch", "pull_ahead"])
 def test_pulls_and_pushes_match_dense_reference(comm, shard_dir, dist, how):
     """how: plain keys (every call sends them); a WindowExchange the pull sends the keys of (and
     the push sends rows only); one the warm sent them of, before window t-1's push (the pull
-    sends no keys, and reads the rows after that push)."""
+    sends no keys, and reads the rows after that push); the same where the warm also answers
+    the rows window t does not hold (storage.pull_ahead: the pull answers the rest)."""
     cfg = _cfg(cache_rows=60)
     table = _table(comm, shard_dir, cfg)
+    table.pull_ahead = how == "pull_ahead"
     layout, uni = RowLayout(DIM), _universe()
     ref = init_rows(uni, layout, cfg.init_scale, cfg.seed)
     windows = 8
     warmed = None
     for t in range(windows):
         mine = _window_idx(t, comm.rank, dist)
-        x = {"keys": uni[mine], "exchange": table.exchange(uni[mine]), "prefetch": warmed}[how]
+        x = {"keys": uni[mine], "exchange": table.exchange(uni[mine]), "prefetch": warmed, "pull_ahead": warmed}[how]
         if x is None:  # the first window: no warm ran
             x = table.exchange(uni[mine])
         rows = table.pull(x, name=f"t.p{t}")
@@ -105,8 +107,8 @@ def test_pulls_and_pushes_match_dense_reference(comm, shard_dir, dist, how):
         np.testing.assert_array_equal(rows.numpy(), ref[mine])
         if how != "keys":
             assert x.asked is not None  # the owners kept the request: the push sends rows only
-        if how == "prefetch" and t + 1 < windows:  # warm window t+1 before window t's push lands
-            warmed = table.warm(uni[_window_idx(t + 1, comm.rank, dist)], name=f"t.w{t + 1}")
+        if how in ("prefetch", "pull_ahead") and t + 1 < windows:  # warm window t+1 before window t's push lands
+            warmed = table.warm(table.exchange(uni[_window_idx(t + 1, comm.rank, dist)]), name=f"t.w{t + 1}")
         table.push(x, rows + torch.from_numpy(_delta(t, comm.rank, mine.size, layout.width)), name=f"t.u{t}")
         contributions = []
         for r in range(comm.size):
@@ -115,6 +117,11 @@ def test_pulls_and_pushes_match_dense_reference(comm, shard_dir, dist, how):
         _reference_merge(ref, contributions)
     stats = table.store.stats()
     assert stats["cache_evictions"] > 0 and stats["writeback_rows"] > 0 and stats["shard_bytes_read"] > 0
+    ahead = table.stats()
+    if how == "pull_ahead":  # both halves answered something: the rows window t held, and the rest
+        assert ahead["ahead_rows"] > 0 and ahead["ahead_late_rows"] > 0
+    else:
+        assert "ahead_calls" not in ahead
     # Every row this rank owns, read back from its shard after a flush, equals the reference.
     owned_ref = {}
     touched = np.unique(np.concatenate([_window_idx(t, r, dist) for t in range(windows) for r in range(comm.size)]))

@@ -15,7 +15,7 @@ from hvctr.models import build_model
 from hvctr.plan.keyfreq import KeyCurve, zipf_curve, zipf_distinct
 from hvctr.plan.model import (FITS, NO_FIT, UNKNOWN, Job, NodeInfo, dense_flops_per_sample, dense_params,
                               dense_payload_bytes, linear_layers, plan, rows_per_rank, shard_bytes,
-                              sparse_bytes_per_window)
+                              rows_held_over, sparse_bytes_per_window)
 from hvctr.plan.rates import Rates, RatesFile, load_rates, write_rates
 from hvctr.storage.shard import Shard
 from hvctr.train.merger import KStepMerger, SyncGradients
@@ -285,11 +285,14 @@ def test_a_gpu_node_takes_its_compute_from_the_gpus_datasheet_not_the_cpu_rates(
     cpu = plan(_job(), NODE, RATES, curve).figures
     assert cpu["compute_s_per_step"] > 5 * f["compute_s_per_step"]
     assert f["exposed_non_compute_s_per_step"] == pytest.approx(f["step_s"] - f["compute_s_per_step"])
-    # the working set crosses PCIe (Gen4, 25 GB/s) both ways when the rates file has no host-device figure
-    no_link = plan(_job(), dataclasses.replace(gpu_node, gpu_model="A100-SXM4-40GB"),
-                   dataclasses.replace(RATES, device_bytes_per_s=1e15), curve).figures
-    assert f["pull_s_per_step"] - no_link["pull_s_per_step"] == pytest.approx(
-        (curve(8 * B) * row / 25e9 - curve(8 * B) * row / 1e15) / 8, rel=1e-6)
+    # the working set crosses PCIe (Gen4, 25 GB/s) both ways when the rates file has no host-device figure:
+    # at the window's end all of it without storage.pull_ahead, the rows the window before holds with it
+    for ahead, rows in ((False, curve(8 * B)), (True, rows_held_over(_job(), curve)[0])):
+        linked = plan(_job(pull_ahead=ahead), gpu_node, RATES, curve).figures
+        no_link = plan(_job(pull_ahead=ahead), gpu_node, dataclasses.replace(RATES, device_bytes_per_s=1e15),
+                       curve).figures
+        assert linked["pull_s_per_step"] - no_link["pull_s_per_step"] == pytest.approx(
+            (rows * row / 25e9 - rows * row / 1e15) / 8, rel=1e-6)
 
 
 def test_measured_gpu_rates_win_and_an_unknown_gpu_says_so():
@@ -402,3 +405,25 @@ def test_a_later_pass_with_the_position_log_reads_no_index_blocks():
     assert not job_from(load_config(None, []), 1, 2, 10**6, 0).logged_pass  # one epoch: no pass repeats
     assert not job_from(load_config(None, ["--train.epochs=2", "--storage.position_log=false"]), 1, 2, 10**6,
                         0).logged_pass
+
+
+def test_rows_held_over_match_independent_draws():
+    """storage.pull_ahead's window's-end pull: a rank's working-set rows the whole window before
+    holds, and an owner's rows in both windows, against keys drawn as the curve assumes (every
+    row 26 keys from one Zipf law), W = 4 ranks, k = 2 batches of 64 rows, 40 trials."""
+    keys, F, W, k, B = 20_000, 26, 4, 2, 64
+    curve = zipf_curve(keys, 1.1, F)
+    p = np.arange(1, keys + 1, dtype=np.float64) ** -1.1
+    p /= p.sum()
+    rng = np.random.default_rng(5)
+    holder, owner = [], []
+    for _ in range(40):
+        t, t1 = ([np.unique(rng.choice(keys, size=k * B * F, p=p)) for _ in range(W)] for _ in range(2))
+        before = np.unique(np.concatenate(t))
+        holder.append(np.mean([np.intersect1d(h, before).size for h in t1]))
+        owner.append(np.intersect1d(before, np.unique(np.concatenate(t1))).size / W)
+    want_holder, want_owner = rows_held_over(_job(nodes=1, ranks_per_node=W, every_k_steps=k, batch_size_per_rank=B),
+                                             curve)
+    assert np.mean(holder) == pytest.approx(want_holder, rel=0.05)
+    assert np.mean(owner) == pytest.approx(want_owner, rel=0.05)
+    assert 0 < want_holder < curve(k * B)
