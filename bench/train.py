@@ -222,7 +222,8 @@ def render_peers(res: dict[str, Any], command: str, machine: str) -> str:
               f"them): {loads}."]
     if "hvctr_k8_cache10" in sps and sps["hvctr_k8"]:
         ooc = by["hvctr_k8_cache10"]
-        lines += ["", f"Out of core: the CPU cache at 10% of the table ({res['table_bytes'] / 2**20:.0f} MiB in all) runs at "
+        lines += ["", f"Out of core: the CPU cache at 10% of the table (the table {res['table_bytes'] / 2**20:.0f} MiB over "
+                  f"both ranks, the cache {0.1 * res['table_bytes'] / 2 / 2**20:.1f} MiB a rank) runs at "
                   f"{sps['hvctr_k8_cache10'] / sps['hvctr_k8']:.2f}x the all-cached k = 8 (medians; target 0.95x), hit "
                   f"rate {ooc['cache_hit_rate']:.3f}, AUC {ooc['auc']:.4f}."]
     lines += ["", "Time split (seconds per rank, rank 0, last round; the training thread's phases, and beside them "
