@@ -160,7 +160,8 @@ class WindowExchange:
     for the push where merge.sparse_rule reads them (matched), so they are not read again.
     ``shared``: the rows its steps synchronise (merge.shared_rows, hvctr.storage.shared_rows),
     chosen by the pull. ``tag``: (epoch, first batch) of a training window, under which owners log
-    where its rows were for the same window of the next pass (hvctr.storage.position_log)."""
+    where its rows were for the same window of the next pass (hvctr.storage.position_log).
+    ``ahead``: what its warm answered ahead of the pull (storage.pull_ahead), and what is left."""
     routing: Routing
     asked: Asked | None = None
     pulled: np.ndarray | None = None
@@ -173,12 +174,13 @@ class WindowExchange:
 class PulledAhead:
     """What a warm answered ahead of its window's pull (ShardedTable.pull_ahead), and what that
     pull still answers. As the owner: ``owned``, the rows of ``asked.uniq`` (those answered
-    filled in), ``late`` (indices into ``asked.uniq``: the keys the window before holds, read
+    filled in; None where nothing reads them again: merge.sparse_rule average, no shared rows),
+    ``late`` (indices into ``asked.uniq``, ascending: the keys the window before holds, read
     at the pull), ``late_entries`` (the request's entries of those keys, in message order) and
     ``late_splits`` (how many of them each rank asked). As a holder: ``rows``, the working set
     with the rows received filled in, ``late_at`` (where the rest go, in the order they come)
     and ``late_counts`` (how many each owner sends)."""
-    owned: np.ndarray
+    owned: np.ndarray | None
     late: np.ndarray
     late_entries: np.ndarray
     late_splits: list[int]
@@ -450,6 +452,8 @@ class ShardedTable:
             late_counts = np.bincount(owner[late_sent], minlength=self.comm.size).tolist()
             rec["rows"] = float(early.size)
             rec["late_rows"] = float(asked.uniq.shape[0] - early.size)
+            if self.sparse_rule is SparseRule.AVERAGE and not self.shared_rows:
+                owned = None  # nothing reads the rows as pulled again: the pull reads the late ones alone
         self._held = asked.uniq
         x.ahead = PulledAhead(owned, np.flatnonzero(late_key), late_entries, late_splits, rows, at[late_sent],
                               late_counts)
@@ -460,10 +464,13 @@ class ShardedTable:
         a, asked = x.ahead, x.asked
         x.ahead = None
         with self._call("pull") as rec:
-            if a.late.size:
-                a.owned[a.late] = read(asked.uniq[a.late])
-            back, received = self._alltoall(rec, torch.from_numpy(take_rows(a.owned, asked.inverse[a.late_entries])),
-                                            a.late_splits, f"{name}.rows")
+            late = read(asked.uniq[a.late]) if a.late.size else np.empty((0, self.width), dtype=np.float32)
+            if a.owned is not None:  # the rows as pulled are kept whole
+                a.owned[a.late] = late
+                msg = take_rows(a.owned, asked.inverse[a.late_entries])
+            else:  # a.late ascends: each late entry's row among them
+                msg = take_rows(late, np.searchsorted(a.late, asked.inverse[a.late_entries]))
+            back, received = self._alltoall(rec, torch.from_numpy(msg), a.late_splits, f"{name}.rows")
             if received != a.late_counts:
                 raise ValueError(f"{name}: {received} rows from the owners, {a.late_counts} expected")
             a.rows[a.late_at] = back.numpy()
