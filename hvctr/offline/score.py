@@ -41,8 +41,7 @@ from hvctr.config import ModelArch, ModelConfig
 from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
 from hvctr.offline.export import FORMAT, FORMAT_VERSION, ROW_FORMATS, dequantize_int8_rowwise
-from hvctr.formats import RowLayout, owner_of
-from hvctr.kernels import init_rows
+from hvctr.formats import RowLayout, init_rows, owner_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
