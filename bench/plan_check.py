@@ -102,7 +102,8 @@ def _train(work: Path, data: Path, ranks: int, mode: str) -> Path:
         shutil.rmtree(run_dir)
     merge = ["--merge.mode=sync"] if mode == "sync" else [f"--merge.every_k_steps={mode}"]
     cmd = ["mpirun", "-np", str(ranks), "--bind-to", "none", PY, "-m", "mpi4py", "-m", "hvctr", "train",
-           f"--data.train_dir={data}", f"--train.run_dir={run_dir}", "--metrics.log_every_steps=1", *merge]
+           f"--data.train_dir={data}", f"--train.run_dir={run_dir}", "--metrics.log_every_steps=1",
+           "--train.threads=1", *merge]  # one torch thread a rank, as the plan (node_info(threads=1)) has it
     _run(cmd, work / f"w{ranks}-{mode}.log")
     return run_dir
 
