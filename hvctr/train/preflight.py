@@ -76,7 +76,8 @@ def preflight(config_path: str | None, overrides: list[str], resume: bool, init_
         cfg, sizing = check_inputs(cfg, rank, size, resume, init_from, eval_only, run_dir)
         identity, notes = (None, []) if eval_only else check_identity(cfg, directory, size, resume, init_from)
         notes += check_directories(cfg, rank, size, directory)  # after the identity: a refused resume creates nothing
-        notes += check_memory(cfg)
+        cfg, memory = fit_memory(cfg)
+        notes += memory
         if held and held[0].stale:
             notes.insert(0, held[0].stale)
         return Checked(cfg, held[0] if held else None, identity, notes, sizing)
@@ -354,6 +355,20 @@ def rank_memory_beside_cache(cfg: Config) -> int:
     recent = recent_positions_for(cfg.storage.cpu_cache_bytes) * RECENT_POSITION_BYTES
     copies = WINDOW_ROW_COPIES + (2 if cfg.storage.pull_ahead and cfg.data.prefetch else 0)  # the next window's, both sides
     return RANK_BASE_MEMORY + copies * RowLayout(cfg.storage.dim).row_bytes * rows + recent
+
+
+def fit_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> tuple[Config, list[str]]:
+    """check_memory, and storage.pull_ahead turned off where the memory is short of what a rank
+    needs with it (it holds the next window's rows beside this one's): (the config to run, notes).
+    Seen: 2 ranks in a 1.2 GiB v1 cgroup with a 32 MiB cache, batch 2048, k = 4 ran without it
+    and were OOM-killed at step 20 with it (BENCHMARKS.md, "Training against TorchRec")."""
+    notes = check_memory(cfg, env, meminfo, cgroup)
+    if notes and cfg.storage.pull_ahead and cfg.data.prefetch:
+        cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, pull_ahead=False))
+        notes = check_memory(cfg, env, meminfo, cgroup) + [
+            "storage.pull_ahead is off for this run: it holds the next window's rows beside this one's "
+            "(two more working-set copies a rank), and the memory is short of what a rank needs without them"]
+    return cfg, notes
 
 
 def check_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> list[str]:

@@ -28,7 +28,7 @@ from data_prep.synth import generate
 from hvctr.config import load_config, write_toml
 from hvctr.checkpoint.format import write_manifest
 from hvctr.plan.model import shard_bytes
-from hvctr.train.preflight import (check_directories, check_identity, check_inputs, check_memory,
+from hvctr.train.preflight import (check_directories, check_identity, check_inputs, check_memory, fit_memory,
                                    first_checkpoint_bytes)
 from hvctr.rundir import (IDENTITY_NAME, LOCK_NAME, RunLock, compare_identity, private_scratch_dir, run_identity,
                                 write_identity)
@@ -301,6 +301,12 @@ def test_a_cache_larger_than_available_memory_is_named(datasets, tmp_path):
     assert note.startswith("memory: the memory cgroup's limit ") and "leaves 183 MiB per rank beside " \
         "storage.cpu_cache_bytes (1 rank(s) on this node)" in note and "OOM-killed" in note
     assert check_memory(small, env={}, meminfo=str(meminfo), cgroup="") == []  # no cgroup: MemAvailable alone
+    # storage.pull_ahead holds another window: off where the memory is short, on where it is not
+    assert small.storage.pull_ahead
+    run_cfg, notes = fit_memory(small, env={}, meminfo=str(meminfo), cgroup=str(v1))
+    assert not run_cfg.storage.pull_ahead and notes[-1].startswith("storage.pull_ahead is off for this run")
+    assert notes[0].startswith("memory: the memory cgroup's limit ")
+    assert fit_memory(small, env={}, meminfo=str(meminfo), cgroup="") == (small, [])
 
 
 def test_hvctr_train_with_a_cache_beyond_the_machine_stops_before_horovod(datasets, tmp_path):
