@@ -367,7 +367,8 @@ def fit_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: st
         cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, pull_ahead=False))
         notes = check_memory(cfg, env, meminfo, cgroup) + [
             "storage.pull_ahead is off for this run: it holds the next window's rows beside this one's "
-            "(two more working-set copies a rank), and the memory is short of what a rank needs without them"]
+            "(two more working-set copies a rank), and the memory this job may use is short of what a rank needs "
+            "with them (hvctr.train.preflight.rank_memory_beside_cache)"]
     return cfg, notes
 
 
