@@ -157,7 +157,8 @@ class StorageConfig:
     # with data.prefetch: the prefetch thread's warm also pulls the next window's rows that no rank
     # holds in the window training now (their values cannot change before its pull), so the pull
     # at the window's end reads and sends only the rows both windows hold. The same values; a
-    # working set more in memory a rank. Off with storage.admit_after > 1 or storage.ttl_passes > 0
+    # working set more in memory a rank. Off with storage.admit_after > 1 or storage.ttl_passes > 0, and
+    # for a run whose memory limit leaves a rank less than it needs with it (the preflight says so)
     pull_ahead: bool = True
     # pread path: the shard logs where each training window's rows were (16 bytes a key, two files
     # beside it) and the same window of the next pass reads that back instead of an index block per
