@@ -442,6 +442,7 @@ class ShardedTable:
             # comm: alltoall of a byte a key asked: whether its row waits for the pull
             flags, _ = self._alltoall(rec, torch.from_numpy(late_entry.view(np.uint8)), asked.received,
                                       f"{name}.late")
+            # comm: alltoall of the rows answered ahead, owners to holders
             back, _ = self._alltoall(rec, torch.from_numpy(take_rows(owned, asked.inverse[~late_entry])),
                                      early_splits, f"{name}.rows")
             late_sent = flags.numpy().view(bool)  # in the order this rank sent its keys
@@ -470,6 +471,7 @@ class ShardedTable:
                 msg = take_rows(a.owned, asked.inverse[a.late_entries])
             else:  # a.late ascends: each late entry's row among them
                 msg = take_rows(late, np.searchsorted(a.late, asked.inverse[a.late_entries]))
+            # comm: alltoall of the rows held over, owners to holders
             back, received = self._alltoall(rec, torch.from_numpy(msg), a.late_splits, f"{name}.rows")
             if received != a.late_counts:
                 raise ValueError(f"{name}: {received} rows from the owners, {a.late_counts} expected")
