@@ -37,7 +37,7 @@ the same value either way: every reader of the deferred rows but that pull waits
 
 A warm may also answer ahead (``pull_ahead``, storage.pull_ahead): each owner answers at once,
 in the prefetch thread, the rows of the next window that no rank holds in the window now
-training (keys outside the request its last pull answered): nothing writes them before that
+training (keys outside the request of the window warmed before it): nothing writes them before that
 window's pull (the push writes only the rows the training window holds), so they have the
 values the pull would read. That window's pull then reads and sends only the rows both windows
 hold, after the push: the other half of Bagpipe's lookahead. Each holder learns which of its
