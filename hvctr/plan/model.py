@@ -537,8 +537,9 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     # Page cache: host memory the ranks leave free holds shard pages; a shard that does not
     # fit is read from the device at disk_rows_per_s.
     host_rank = _host_bytes_per_rank(job, u, P)
-    if job.sparse_rule is not SparseRule.AVERAGE:  # the owner's rows as pulled, kept for the push's rule
-        host_rank += u_o * layout.row_bytes
+    if job.sparse_rule is not SparseRule.AVERAGE or job.shared_rows:  # the owner's rows as pulled, kept for the push
+        # (and, with storage.pull_ahead, the next window's too, from its warm to its pull)
+        host_rank += u_o * layout.row_bytes * (2 if job.prefetch and job.pull_ahead else 1)
     free = node.host_memory_bytes - job.ranks_per_node * host_rank
     shard_in_ram = node.host_memory_bytes > 0 and free >= job.ranks_per_node * shard["total"]
     behind = job.write_behind is WriteBehind.ON or (job.write_behind is WriteBehind.AUTO and node.memory_limited)
@@ -694,12 +695,13 @@ def _stretch(job: Job, node: NodeInfo, rates: Rates) -> float:
 
 
 def _host_bytes_per_rank(job: Job, u: float, params: int) -> float:
-    """Cache budget + working set and its messages + two windows of data + dense state + the
-    shard's key filter, waiting index entries and recent positions + base."""
+    """Cache budget + working set and its messages (and the next window's, pulled ahead) + two
+    windows of data + dense state + the shard's key filter, waiting index entries and recent
+    positions + base."""
     row = RowLayout(job.dim).row_bytes
     window_data = 2 * job.k * job.batch_size_per_rank * (SAMPLE_BYTES + 8 * job.model.num_fields)
     shard = memory_bytes(rows_per_rank(job.keys, job.world_size), job.max_load_factor, job.cpu_cache_bytes)
-    ahead = 2 * u * row if job.prefetch and job.pull_ahead else 0.0  # the next window's rows, as holder and owner
+    ahead = u * row if job.prefetch and job.pull_ahead else 0.0  # storage.pull_ahead: the next window's rows
     return job.cpu_cache_bytes + 3 * u * row + ahead + window_data + 8 * params * 4 + shard + BASE_RANK_BYTES
 
 

@@ -338,15 +338,19 @@ def test_calibrate_measures_the_gpu_figures_the_plan_then_calls_measured():
 def test_a_scaling_owner_rule_keeps_the_owners_pulled_rows_to_the_push():
     """merge.sparse_rule other than average (matched, the default from 16 ranks on) reads the
     rows as pulled at the push; the pull keeps them (hvctr.storage.exchange.WindowExchange.pulled)
-    instead of a second store read: host memory of one row per owned key of a window, no time."""
+    instead of a second store read: host memory of one row per owned key of a window, no time;
+    with storage.pull_ahead two windows' (the next one's rows, answered at its warm, wait for its
+    pull beside them; with the average rule the owner keeps none)."""
     from hvctr.config import SparseRule
 
     curve = zipf_curve(10**6, 1.1, 26)
-    small_cache = dict(ranks_per_node=2, cpu_cache_bytes=1 << 20)
-    avg = plan(_job(**small_cache), NODE, RATES, curve).figures
-    matched = plan(_job(**small_cache, sparse_rule=SparseRule.MATCHED), NODE, RATES, curve).figures
-    assert matched["host_bytes"] - avg["host_bytes"] == pytest.approx(avg["owner_rows_per_window"] * 4 * (3 * 17 + 1))
-    assert matched["step_s"] == avg["step_s"]
+    row = 4 * (3 * 17 + 1)
+    for ahead, windows in ((False, 1), (True, 2)):
+        small_cache = dict(ranks_per_node=2, cpu_cache_bytes=1 << 20, pull_ahead=ahead)
+        avg = plan(_job(**small_cache), NODE, RATES, curve).figures
+        matched = plan(_job(**small_cache, sparse_rule=SparseRule.MATCHED), NODE, RATES, curve).figures
+        assert matched["host_bytes"] - avg["host_bytes"] == pytest.approx(windows * avg["owner_rows_per_window"] * row)
+        assert matched["step_s"] == avg["step_s"]
 
 
 def test_a_memory_limit_below_the_table_makes_shard_reads_come_from_the_device():
