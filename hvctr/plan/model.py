@@ -53,8 +53,8 @@ from hvctr.plan.keyfreq import KeyCurve
 from hvctr.plan.rates import Rates
 from hvctr.storage.cache import entries_for_budget
 from hvctr.formats import RowLayout
-from hvctr.storage.shard import (INDEX_DTYPE, META_DTYPE, PENDING_PER_BLOCK, memory_bytes, num_slots_for,
-                                 recent_positions_for)
+from hvctr.storage.shard import (INDEX_DTYPE, META_DTYPE, PENDING_PER_BLOCK, SLOTS_PER_BLOCK, memory_bytes,
+                                 num_slots_for, pending_bytes_for, pending_capacity, recent_positions_for)
 
 KEY_BYTES = 8
 INDEX_BLOCKS_PER_ROW_READ = 1.0  # a known key's probe reads its home block (linear probing rarely leaves it)
@@ -274,7 +274,8 @@ def sparse_bytes_per_window(u: float, world_size: int, dim: int, mode: MergeMode
 
 
 def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries: float,
-                             recent_entries: float = 0.0, logged: bool = False) -> dict[str, float]:
+                             recent_entries: float = 0.0, logged: bool = False,
+                             pending_per_block: float = PENDING_PER_BLOCK) -> dict[str, float]:
     """What one owner's shard does in a window (hvctr.storage.store; the run summary's
     shard_traffic counts the same by cause), rows and 4 KiB index blocks:
 
@@ -292,8 +293,9 @@ def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries
       (``recent_entries`` a generation, hvctr.storage.shard.RecentPositions) answer them where
       they hold the lookups since the window's warm: about two windows' cold rows;
     - index_blocks_written: new rows' index entries, which wait in memory until a block has
-      about PENDING_PER_BLOCK of them, then go to the file a block at a time (read, changed,
-      written).
+      about ``pending_per_block`` of them (PENDING_PER_BLOCK, fewer with a small cache:
+      hvctr.storage.shard.pending_capacity), then go to the file a block at a time (read,
+      changed, written).
 
     ``logged``: a pass after the first over the same data with the position log: the window's
     cold rows were looked up by the same window last pass, so neither the reads nor the push's
@@ -306,7 +308,7 @@ def shard_traffic_per_window(u_o: float, new_o: float, hit: float, cache_entries
     return {"rows_read": cold, "index_blocks_read": cold * blocks, "rows_written": cold,
             "new_rows_written": new_o * (1.0 - hit),
             "push_index_blocks": cold * beyond * (1.0 - kept) * blocks,
-            "index_blocks_written": new_o / PENDING_PER_BLOCK}
+            "index_blocks_written": new_o / pending_per_block}
 
 
 @dataclass(frozen=True)
@@ -435,8 +437,10 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     f = (W - 1) / W
     u, u_b = curve(k * B), curve(B)
     u_o = curve(W * k * B) / W
+    slots = num_slots_for(rows_per_rank(job.keys, W), job.max_load_factor)
+    pending = pending_capacity(rows_per_rank(job.keys, W), slots, pending_bytes_for(job.cpu_cache_bytes))
     traffic = shard_traffic_per_window(u_o, new_o, hit, cache_entries, recent_positions_for(job.cpu_cache_bytes),
-                                       job.logged_pass)
+                                       job.logged_pass, pending / max(slots // SLOTS_PER_BLOCK, 1))
     stretch = c.cpu if io.cpu else 1.0  # page-cache reads are CPU work; the device's are not
     # the warm's and the pull's reads of rows the cache lacks, each with its index block
     shard_read = stretch * (traffic["rows_read"] / io.read + traffic["index_blocks_read"] / io.index)

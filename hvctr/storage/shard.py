@@ -72,6 +72,7 @@ FORMAT_VERSION = 1
 BLOCK_BYTES = 4096
 INDEX_DTYPE = np.dtype([("key", "<u8"), ("row", "<i8")])
 SLOTS_PER_BLOCK = BLOCK_BYTES // INDEX_DTYPE.itemsize  # 256
+PENDING_ENTRY_BYTES = 3 * INDEX_DTYPE.itemsize  # a waiting entry: its array of twice the capacity, and its batch
 _MERGE_BUFFER_BYTES = 1 << 20
 META_DTYPE = np.dtype([("key", "<u8"), ("last_seen", "<i4"), ("generation", "<i4")])
 STATE_DTYPE = np.dtype([("n_rows", "<i8"), ("generation", "<i8"), ("pass_index", "<i8"), ("clean", "<i8")])
@@ -82,8 +83,12 @@ _INDEX_CHUNK = 4096  # keys probed per round of index block reads (at most 16 Mi
 # the index: 61 MiB for a shard of 8.3M rows), at most 2M (96 MiB), then go to the file together.
 # Each flush reads and writes every block its entries fall in, nearly the whole index: at 8 a
 # block a one-pass run of 641k new keys a rank (bench.train, 4M-row shards) flushed 4 times,
-# 0.8 s of its 3.0 s of pulls; at 32, once.
+# 0.8 s of its 3.0 s of pulls; at 32, once. Their bytes (PENDING_ENTRY_BYTES an entry) stay within
+# a quarter of the CPU cache's budget beside the cache (pending_bytes_for), down to 8 a block: a
+# small cache is a tight memory (two ranks of 5.7M-row shards in a 256 MiB cgroup with 4 MiB
+# caches were OOM-killed at 32 a block, 49 MiB of entries a rank; tests/e2e/test_out_of_core.py).
 PENDING_PER_BLOCK = 32
+PENDING_PER_BLOCK_MIN = 8
 _PENDING_MAX = 1 << 21
 # The positions the file's index gave lately, kept in memory (RecentPositions): two generations
 # of half-full tables, 64 bytes a kept entry; EmbeddingStore gives them a quarter of its cache's
@@ -185,17 +190,28 @@ def num_slots_for(capacity: int, max_load_factor: float) -> int:
     return math.ceil(capacity / max_load_factor / SLOTS_PER_BLOCK) * SLOTS_PER_BLOCK
 
 
-def pending_capacity(capacity: int, num_slots: int) -> int:
-    """New index entries a pread-path shard keeps in memory before writing them (see PENDING_PER_BLOCK)."""
-    return min(capacity, _PENDING_MAX, max(num_slots // SLOTS_PER_BLOCK * PENDING_PER_BLOCK, 4096))
+def pending_capacity(capacity: int, num_slots: int, budget_bytes: int | None = None) -> int:
+    """New index entries a pread-path shard keeps in memory before writing them: PENDING_PER_BLOCK
+    a block of the index, fewer where their PENDING_ENTRY_BYTES each pass ``budget_bytes`` (None: no
+    budget), never under PENDING_PER_BLOCK_MIN a block nor 4096, never over _PENDING_MAX."""
+    blocks = num_slots // SLOTS_PER_BLOCK
+    want = blocks * PENDING_PER_BLOCK
+    if budget_bytes is not None:
+        want = max(blocks * PENDING_PER_BLOCK_MIN, min(want, budget_bytes // PENDING_ENTRY_BYTES))
+    return min(capacity, _PENDING_MAX, max(want, 4096))
+
+
+def pending_bytes_for(cache_bytes: int) -> int:
+    """The waiting index entries' budget: a quarter of the CPU cache's bytes, as RecentPositions'."""
+    return int(cache_bytes) // 4
 
 
 def memory_bytes(capacity: int, max_load_factor: float, cache_bytes: int = 0) -> int:
     """A pread-path shard's own memory: its key filter (10 bits a row of capacity) and its new
     index entries in waiting (an array of twice their capacity, and the batches they came in),
     and the positions its index gave lately (RecentPositions, sized from the cache's bytes)."""
-    pending = pending_capacity(capacity, num_slots_for(capacity, max_load_factor))
-    return ((max(capacity * 10, 1 << 16) + 7) // 8 + 3 * pending * INDEX_DTYPE.itemsize
+    pending = pending_capacity(capacity, num_slots_for(capacity, max_load_factor), pending_bytes_for(cache_bytes))
+    return ((max(capacity * 10, 1 << 16) + 7) // 8 + pending * PENDING_ENTRY_BYTES
             + recent_positions_for(cache_bytes) * RECENT_POSITION_BYTES)
 
 
@@ -339,7 +355,7 @@ class Shard:
 
     def __init__(self, path: str | Path, writable: bool = True, io: str = "pread",
                  io_threads: int = diskio.DEFAULT_THREADS, write_behind: bool = True,
-                 recent_positions: int = 0, position_log: bool = False) -> None:
+                 recent_positions: int = 0, position_log: bool = False, pending_bytes: int | None = None) -> None:
         self.path = str(path)
         self.write_behind = write_behind  # pread path: writes flushed and their pages dropped
         if io not in SHARD_IO:
@@ -406,7 +422,7 @@ class Shard:
         self._mark = self._cause_totals()
         self._mark_t = time.perf_counter()
         self.key_filter: KeyFilter | None = None
-        self._pending_cap = pending_capacity(self.capacity, self.num_slots)
+        self._pending_cap = pending_capacity(self.capacity, self.num_slots, pending_bytes)
         self._pending: np.ndarray | None = None
         self._pending_parts: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending_n = 0
@@ -467,7 +483,8 @@ class Shard:
     def create(cls, path: str | Path, *, dim: int, capacity: int, world_size: int, rank: int,
                bucket_owner: np.ndarray, seed: int, init_scale: float,
                max_load_factor: float, io: str = "pread", io_threads: int = diskio.DEFAULT_THREADS,
-               write_behind: bool = True, recent_positions: int = 0, position_log: bool = False) -> "Shard":
+               write_behind: bool = True, recent_positions: int = 0, position_log: bool = False,
+               pending_bytes: int | None = None) -> "Shard":
         """Writes an empty shard under a temporary name, allocates it fully, renames it.
 
         HDF5 writes only the skeleton (attributes, the bucket table, dataset headers: KiBs);
@@ -513,13 +530,13 @@ class Shard:
                              f"point storage.shard_dir at another disk or lower storage.rows_per_rank") from None
         os.replace(tmp, path)
         return cls(path, io=io, io_threads=io_threads, write_behind=write_behind, recent_positions=recent_positions,
-                   position_log=position_log)
+                   position_log=position_log, pending_bytes=pending_bytes)
 
     @classmethod
     def open(cls, path: str | Path, writable: bool = True, io: str = "pread",
              io_threads: int = diskio.DEFAULT_THREADS, write_behind: bool = True,
-             recent_positions: int = 0, position_log: bool = False) -> "Shard":
-        return cls(path, writable, io, io_threads, write_behind, recent_positions, position_log)
+             recent_positions: int = 0, position_log: bool = False, pending_bytes: int | None = None) -> "Shard":
+        return cls(path, writable, io, io_threads, write_behind, recent_positions, position_log, pending_bytes)
 
     # --- index -------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from hvctr.kernels.diskio import IOStats
 from hvctr.storage.cache import RowCache
 from hvctr.formats import RowLayout, default_row
 from hvctr.storage.position_log import Tag
-from hvctr.storage.shard import Shard, recent_positions_for, strictly_increasing
+from hvctr.storage.shard import Shard, pending_bytes_for, recent_positions_for, strictly_increasing
 
 _WARM_CHUNK = 1 << 16  # keys per locked step of warm()
 _FLUSH_CHUNK_BYTES = 64 << 20  # rows written per step of flush()
@@ -177,7 +177,7 @@ class EmbeddingStore:
     def _io(self) -> dict:
         return {"io": self.cfg.shard_io.value, "io_threads": self.cfg.io_threads, "write_behind": self.write_behind,
                 "recent_positions": recent_positions_for(self.cfg.cpu_cache_bytes),
-                "position_log": self.cfg.position_log}
+                "position_log": self.cfg.position_log, "pending_bytes": pending_bytes_for(self.cfg.cpu_cache_bytes)}
 
     def _check_matches(self, rank: int, world_size: int) -> None:
         s = self.shard

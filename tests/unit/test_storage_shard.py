@@ -339,3 +339,23 @@ def test_a_writer_killed_with_entries_in_memory_leaves_a_shard_that_reopens_whol
     np.testing.assert_array_equal(reopened.lookup(keys), pos)
     reopened.close()
     np.testing.assert_array_equal(_open(path, writable=False).lookup(keys), pos)
+
+
+def test_waiting_index_entries_give_way_to_a_small_cache():
+    """New index entries wait at 32 a block of the index, but their memory stays within a quarter
+    of the CPU cache's budget, down to 8 a block: two ranks of 5.7M-row shards with 4 MiB caches in
+    a 256 MiB cgroup were OOM-killed at 32 a block (49 MiB of entries a rank)."""
+    cap = 5_720_000
+    slots = shard_mod.num_slots_for(cap, 0.7)
+    blocks = slots // SLOTS_PER_BLOCK
+    full = shard_mod.pending_capacity(cap, slots)
+    assert full == blocks * shard_mod.PENDING_PER_BLOCK
+    small = shard_mod.pending_capacity(cap, slots, shard_mod.pending_bytes_for(4 << 20))
+    assert small == blocks * shard_mod.PENDING_PER_BLOCK_MIN
+    assert shard_mod.pending_capacity(cap, slots, shard_mod.pending_bytes_for(256 << 20)) == full
+    middle = shard_mod.pending_capacity(cap, slots, shard_mod.pending_bytes_for(128 << 20))
+    assert small < middle < full and middle * shard_mod.PENDING_ENTRY_BYTES <= (128 << 20) // 4
+    assert shard_mod.pending_capacity(10_000, 16_384, 0) == 4096  # never under 4096 entries
+    filter_bytes = (cap * 10 + 7) // 8
+    recent = shard_mod.recent_positions_for(4 << 20) * shard_mod.RECENT_POSITION_BYTES
+    assert shard_mod.memory_bytes(cap, 0.7, 4 << 20) == filter_bytes + small * shard_mod.PENDING_ENTRY_BYTES + recent
