@@ -160,6 +160,11 @@ class StorageConfig:
     # working set more in memory a rank. Off with storage.admit_after > 1 or storage.ttl_passes > 0, and
     # for a run whose memory limit leaves a rank less than it needs with it (the preflight says so)
     pull_ahead: bool = True
+    # with storage.pull_ahead, merge.mode = kstep: the window's push sends at once only the rows the
+    # next window holds (its pull reads them); the prefetch thread sends and the owners merge the
+    # rest while the next window trains (every other reader waits for them). The same values; the
+    # rows left behind are a part of a working set more in memory a rank until then
+    push_behind: bool = True
     # pread path: the shard logs where each training window's rows were (16 bytes a key, two files
     # beside it) and the same window of the next pass reads that back instead of an index block per
     # cold key (a pass reads the data in the same order as the one before: hvctr.storage.position_log)

@@ -43,6 +43,15 @@ values the pull would read. That window's pull then reads and sends only the row
 hold, after the push: the other half of Bagpipe's lookahead. Each holder learns which of its
 rows came early from one alltoall of a byte a key; the rows themselves in a second.
 
+The push may leave rows behind (``push_behind``, storage.push_behind, with pull_ahead): in the
+same alltoall of bytes, each owner tells each holder which keys of the window training now
+the next window holds on some rank (it knows both requests). A push given that next window
+sends at once only those rows, which the next pull reads; the rest wait in ``settle_push``,
+which the prefetch thread runs before its next warm, while the next window trains, and every
+other reader runs first (validation, checkpoints, a pass's end). Each owner merges each part
+by its part of the request: a key's copies are all in one part, in the same order, so every
+row gets the same sums as from one push.
+
 Plain unique keys or a Routing work too (tests, benchmarks, evaluation): ``route(keys)``
 builds their Routing, checking that they are unique; each call then sends its keys.
 """
@@ -161,13 +170,15 @@ class WindowExchange:
     ``shared``: the rows its steps synchronise (merge.shared_rows, hvctr.storage.shared_rows),
     chosen by the pull. ``tag``: (epoch, first batch) of a training window, under which owners log
     where its rows were for the same window of the next pass (hvctr.storage.position_log).
-    ``ahead``: what its warm answered ahead of the pull (storage.pull_ahead), and what is left."""
+    ``ahead``: what its warm answered ahead of the pull (storage.pull_ahead), and what is left.
+    ``split``: which of its rows the next window holds (push_behind), set by that window's warm."""
     routing: Routing
     asked: Asked | None = None
     pulled: np.ndarray | None = None
     shared: SharedRows | None = None
     tag: tuple[int, int] | None = None
     ahead: "PulledAhead | None" = None
+    split: "PushSplit | None" = None
 
 
 @dataclass
@@ -187,6 +198,30 @@ class PulledAhead:
     rows: np.ndarray
     late_at: np.ndarray
     late_counts: list[int]
+
+
+@dataclass(frozen=True)
+class PushSplit:
+    """Which rows of a window its push sends at once (storage.push_behind): the rows the next
+    window (``following``) holds on some rank, which its pull reads after the push. As a holder:
+    ``now_sent``, a flag per key this rank sent, in the order sent; as the owner: ``now_key``, a
+    flag per distinct key asked (``asked.uniq``)."""
+    now_sent: np.ndarray
+    now_key: np.ndarray
+    following: WindowExchange
+
+
+@dataclass(frozen=True)
+class _PendingPush:
+    """The rows a push left behind: this rank's rows of the keys the next window does not hold
+    (``msg``, in the order sent, ``splits`` a rank) and, as the owner, the keys they are
+    (``keep``, a flag per ``window.asked.uniq``)."""
+    window: WindowExchange
+    msg: np.ndarray
+    splits: list[int]
+    keep: np.ndarray
+    name: str
+    steps: int
 
 
 Exchange = WindowExchange | Keys  # what warm, pull and push take
@@ -233,6 +268,35 @@ def merge_asked(values: np.ndarray, asked: Asked, divide: bool) -> tuple[np.ndar
     return uniq, acc, count
 
 
+def sub_asked(asked: Asked, keep: np.ndarray) -> tuple[Asked, np.ndarray]:
+    """The part of a request whose distinct keys ``keep`` flags (a bool per ``asked.uniq``), as
+    the owner receives it when each holder sends only those keys' entries (in the same order):
+    (that Asked, the kept keys' indices into ``asked.uniq``, ascending). Its keys keep their
+    order of first arrival, and each key its copies in message order: merge_asked of a part
+    gives each of its rows the floats merge_asked of the whole gives it."""
+    idx = np.flatnonzero(keep)
+    entry = keep[asked.inverse]
+    source = np.repeat(np.arange(len(asked.received)), asked.received)
+    received = np.bincount(source[entry], minlength=len(asked.received)).tolist()
+    remap = np.full(asked.uniq.shape[0], -1, dtype=np.int64)
+    remap[idx] = np.arange(idx.size, dtype=np.int64)
+    position = np.cumsum(entry) - 1  # each kept entry's place in the part
+    return Asked(received, asked.uniq[idx], remap[asked.inverse[entry]], position[asked.first[idx]]), idx
+
+
+def _by_rank(a: np.ndarray, counts_a: list[int], b: np.ndarray, counts_b: list[int]) -> np.ndarray:
+    """One message from two, rank by rank: rank s's part of ``a``, then its part of ``b``."""
+    parts_a = np.split(a, np.cumsum(counts_a)[:-1])
+    parts_b = np.split(b, np.cumsum(counts_b)[:-1])
+    return np.concatenate([p for pair in zip(parts_a, parts_b) for p in pair])
+
+
+def _from_ranks(msg: np.ndarray, counts_a: list[int], counts_b: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """_by_rank undone: (the ``a`` entries, the ``b`` entries) of a message laid out by it."""
+    is_a = np.repeat(np.tile([True, False], len(counts_a)), np.column_stack([counts_a, counts_b]).ravel())
+    return msg[is_a], msg[~is_a]
+
+
 def take_rows(values: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """``values[idx]`` (float32 rows; ``idx`` in range, e.g. an owner's answer laid out by its
     request's inverse): one memcpy a row in C, about 4x numpy's fancy indexing."""
@@ -265,7 +329,8 @@ class ShardedTable:
 
     def __init__(self, comm: "Comm", store: EmbeddingStore, bucket_owner: np.ndarray,
                  device: torch.device | str = "cpu", sparse_rule: SparseRule = SparseRule.AVERAGE,
-                 defer_writes: bool = False, shared_rows: int = 0, pull_ahead: bool = False) -> None:
+                 defer_writes: bool = False, shared_rows: int = 0, pull_ahead: bool = False,
+                 push_behind: bool = False) -> None:
         """``defer_writes`` (storage.defer_writes): a push given the next window's exchange writes
         the rows that window does not hold after its pull (the module docstring). Off where the
         store admits keys by count (storage.admit_after > 1): the pull's counts would come
@@ -274,12 +339,18 @@ class ShardedTable:
         ``pull_ahead`` (storage.pull_ahead): a warm of a WindowExchange also answers the rows the
         window before it does not hold (the module docstring). Off where the store admits keys
         by count (a read's counts would come before the push's admission checks) or drops rows
-        at a pass's end (storage.ttl_passes: a row read ahead may be dropped before its pull)."""
+        at a pass's end (storage.ttl_passes: a row read ahead may be dropped before its pull).
+        ``push_behind`` (storage.push_behind, with pull_ahead): a push given the next window's
+        exchange sends the rows that window does not hold later, in ``settle_push``."""
         self.comm, self.store = comm, store
         self.shared_rows = int(shared_rows)
         self.defer_writes = defer_writes and store.admission is None
         self.pull_ahead = pull_ahead and store.admission is None and store.cfg.ttl_passes == 0
         self._held: np.ndarray | None = None  # the keys the last warmed window asked this owner for
+        self.push_behind = push_behind and self.pull_ahead
+        self._prev: WindowExchange | None = None  # that window, as holder and owner (push_behind)
+        self._pending: _PendingPush | None = None  # the rows the last push left behind
+        self._push_lock = threading.Lock()  # one thread runs them (the prefetch thread, or a reader)
         self._ahead: WindowExchange | None = None  # the exchange whose pull may run beside deferred rows
         if sparse_rule is SparseRule.AUTO:
             raise ValueError("merge.sparse_rule = auto is resolved for the world size first "
@@ -382,7 +453,7 @@ class ShardedTable:
         else:
             rows, asked = self._answer(r, name, "pull", read, asked, keep=window)
             if self.pull_ahead:  # a window no warm answered ahead (the first, where no warm ran)
-                self._held = asked.uniq
+                self._held, self._prev = asked.uniq, window
         if window is not None:
             window.asked = asked
             if self.shared_rows:
@@ -423,6 +494,7 @@ class ShardedTable:
         window warmed before x does not hold (their values cannot change before x's pull) and
         tells each rank which of its keys wait for the pull; x keeps the rest for it."""
         asked, r = x.asked, x.routing
+        prev = self._prev if self.push_behind else None  # the window warmed before x, training now
         with self._call("ahead") as rec:
             held = self._held
             late_key = (held_by(asked.uniq, held) if held is not None and held.size
@@ -439,13 +511,25 @@ class ShardedTable:
             late_entries = np.flatnonzero(late_entry)
             late_splits = np.bincount(source[late_entries], minlength=self.comm.size).tolist()
             early_splits = [n - m for n, m in zip(asked.received, late_splits)]
-            # comm: alltoall of a byte a key asked: whether its row waits for the pull
-            flags, _ = self._alltoall(rec, torch.from_numpy(late_entry.view(np.uint8)), asked.received,
-                                      f"{name}.late")
+            if prev is None:
+                # comm: alltoall of a byte a key asked: whether its row waits for the pull
+                flags, _ = self._alltoall(rec, torch.from_numpy(late_entry.view(np.uint8)), asked.received,
+                                          f"{name}.late")
+                flags = flags.numpy()
+            else:  # and a byte a key prev asked: whether x holds it (its row goes with prev's push)
+                now_key = held_by(prev.asked.uniq, asked.uniq)
+                msg = _by_rank(late_entry, asked.received, now_key[prev.asked.inverse], prev.asked.received)
+                # comm: alltoall of a byte a key asked for x and for the window before: x's rows that
+                # wait for the pull, the window before's rows x holds (push_behind)
+                both, _ = self._alltoall(rec, torch.from_numpy(msg.view(np.uint8)),
+                                         [a + b for a, b in zip(asked.received, prev.asked.received)], f"{name}.late")
+                flags, now_sent = _from_ranks(both.numpy(), r.splits, prev.routing.splits)
+                prev.split = PushSplit(now_sent.view(bool), now_key, x)
+                rec["behind_rows"] = float(now_key.size - np.count_nonzero(now_key))
             # comm: alltoall of the rows answered ahead, owners to holders
             back, _ = self._alltoall(rec, torch.from_numpy(take_rows(owned, asked.inverse[~late_entry])),
                                      early_splits, f"{name}.rows")
-            late_sent = flags.numpy().view(bool)  # in the order this rank sent its keys
+            late_sent = flags.view(bool)  # in the order this rank sent its keys
             at = np.arange(len(r)) if r.in_order else r.order  # working-set position of each key sent
             rows = np.empty((len(r), self.width), dtype=np.float32)
             rows[at[~late_sent]] = back.numpy()
@@ -455,7 +539,7 @@ class ShardedTable:
             rec["late_rows"] = float(asked.uniq.shape[0] - early.size)
             if self.sparse_rule is SparseRule.AVERAGE and not self.shared_rows:
                 owned = None  # nothing reads the rows as pulled again: the pull reads the late ones alone
-        self._held = asked.uniq
+        self._held, self._prev = asked.uniq, x
         x.ahead = PulledAhead(owned, np.flatnonzero(late_key), late_entries, late_splits, rows, at[late_sent],
                               late_counts)
 
@@ -510,47 +594,104 @@ class ShardedTable:
         the local steps the rows took, which the matched rule reads). A WindowExchange whose
         keys the owners were sent (warm or pull) sends rows only: each owner merges them by the
         request it kept. ``ahead``: the next window's exchange; where its keys were sent
-        (warm) and defer_writes is on, the rows it does not hold are written after its pull."""
+        (warm), the rows it does not hold are sent later with push_behind (``settle_push``),
+        else written after its pull with defer_writes."""
+        self.settle_push()
         self._ahead = None
         r = self._routed(keys)
         asked = self._kept(keys, name)
-        owners_rows = None  # merge.shared_rows: where the owner's shared rows go, and their values
+        split = keys.split if isinstance(keys, WindowExchange) else None
+        if split is not None:
+            keys.split = None
+            if ahead is None or split.following is not ahead or asked is None:
+                split = None  # no next window taken (the run's end, a stop): every row now
         with self._call("push") as rec:
             values = _host(rows, (len(r), self.width))
             if asked is None:
                 got, received = self._alltoall(rec, _pack(r.keys, values, r.order), r.splits, f"{name}.rows")
                 uniq, mean, count = merge_messages(got, received, divide=True)
-                if self.sparse_rule is SparseRule.MATCHED:
-                    sent_keys, copies = _unpack(got)
-                    order = np.argsort(uniq)
-                    inverse = order[np.searchsorted(uniq, sent_keys, sorter=order)]
-            else:  # the rows in the order their keys were sent: the owner's request says whose they are
-                msg = values if r.in_order else values[r.order]
-                got, received = self._alltoall(rec, torch.from_numpy(np.ascontiguousarray(msg)), r.splits,
-                                               f"{name}.rows")
-                if received != asked.received:
-                    raise ValueError(f"{name}: rows of {received} keys per rank, the owners were sent "
-                                     f"{asked.received} (a push of other keys than the window's)")
-                uniq, mean, count = merge_asked(got.numpy(), asked, divide=True)
-                copies, inverse = got.numpy(), asked.inverse
-                shared = keys.shared if isinstance(keys, WindowExchange) else None
-                if shared is not None and shared.owned.size:  # the owner stepped them: its copies, not the holders'
-                    at = shared.owned if uniq is asked.uniq else np.searchsorted(uniq, asked.uniq[shared.owned])
-                    owners_rows = (at, shared.rows)
-                if self.sparse_rule is SparseRule.AVERAGE:  # the copies are merged: freed before the write
-                    del got, copies
-            if self.sparse_rule is not SparseRule.AVERAGE:
-                # the rows as pulled (nothing wrote them since): kept by the pull, else read again
-                kept = keys.pulled if asked is not None else None
-                old = kept if kept is not None else self.store.read(uniq, count=False)
-                if kept is not None:
-                    keys.pulled = None
-                spread = (contributor_spread(copies, inverse, old, count, self.store.layout)
-                          if self.sparse_rule is SparseRule.MATCHED else None)
-                mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count, spread, steps)
-            if owners_rows is not None:
-                mean[owners_rows[0]] = owners_rows[1]
-            self._store_merged(uniq, mean, ahead)
+                if self.sparse_rule is not SparseRule.AVERAGE:
+                    old = self.store.read(uniq, count=False)
+                    spread = None
+                    if self.sparse_rule is SparseRule.MATCHED:
+                        sent_keys, copies = _unpack(got)
+                        order = np.argsort(uniq)
+                        inverse = order[np.searchsorted(uniq, sent_keys, sorter=order)]
+                        spread = contributor_spread(copies, inverse, old, count, self.store.layout)
+                    mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count, spread, steps)
+                self._store_merged(uniq, mean, ahead)
+                return
+            # the rows in the order their keys were sent: the owner's request says whose they are
+            msg = values if r.in_order else values[r.order]
+            if split is None:
+                self._merge_sent(rec, keys, msg, r.splits, None, name, steps, ahead)
+                keys.pulled = None
+                return
+            owner = np.repeat(np.arange(self.comm.size), r.splits)
+            now, later = split.now_sent, ~split.now_sent
+            self._merge_sent(rec, keys, msg[now], np.bincount(owner[now], minlength=self.comm.size).tolist(),
+                             split.now_key, name, steps, ahead)
+            self._pending = _PendingPush(keys, np.ascontiguousarray(msg[later]),
+                                         np.bincount(owner[later], minlength=self.comm.size).tolist(),
+                                         ~split.now_key, f"{name}.behind", steps)
+
+    def settle_push(self) -> None:
+        """Sends and merges the rows the last push left behind (push_behind), once: the prefetch
+        thread runs it before its next warm, every other reader of the rows before it reads
+        (validation, a checkpoint, a pass's end, the next push). Collective: every rank runs it
+        at the same point of its windows, on one thread or the other."""
+        with self._push_lock:
+            p, self._pending = self._pending, None
+            if p is None:
+                return
+            with self._call("push_behind") as rec:
+                self._merge_sent(rec, p.window, p.msg, p.splits, p.keep, p.name, p.steps, None)
+                rec["rows"] = float(p.msg.shape[0])
+            p.window.pulled = None
+
+    def _merge_sent(self, rec: dict, x: WindowExchange, msg: np.ndarray, splits: list[int], keep: np.ndarray | None,
+                    name: str, steps: int, ahead: WindowExchange | None) -> None:
+        """The push of rows sent without keys (``msg``, in the order their keys were sent,
+        ``splits`` a rank): every key of x's request, or those ``keep`` flags (a part of a
+        push_behind push); each owner merges them by its part of the request and stores them."""
+        asked, idx = (x.asked, None) if keep is None else sub_asked(x.asked, keep)
+        got, received = self._alltoall(rec, torch.from_numpy(np.ascontiguousarray(msg)), splits, f"{name}.rows")
+        if received != asked.received:
+            raise ValueError(f"{name}: rows of {received} keys per rank, the owners were sent "
+                             f"{asked.received} (a push of other keys than the window's)")
+        copies = got.numpy()
+        uniq, mean, count = merge_asked(copies, asked, divide=True)
+        # merge_asked's numpy fallback sorts the keys: the rows as pulled and the copies' keys follow
+        perm = None if uniq is asked.uniq else np.argsort(asked.uniq, kind="stable")
+        owners_rows = None  # merge.shared_rows: the owner stepped them: its copies, not the holders'
+        shared = x.shared
+        if shared is not None and shared.owned.size:
+            owned, shared_values = shared.owned, shared.rows
+            if idx is not None:  # those of this part, as indices into it
+                part = keep[owned]
+                owned, shared_values = np.searchsorted(idx, owned[part]), shared_values[part]
+            if owned.size:
+                owners_rows = (owned if perm is None else np.searchsorted(uniq, asked.uniq[owned]), shared_values)
+        if self.sparse_rule is not SparseRule.AVERAGE:
+            # the rows as pulled (nothing wrote them since): kept by the pull, else read again
+            if x.pulled is not None:
+                old = x.pulled if idx is None else x.pulled[idx]
+                old = old if perm is None else old[perm]
+            else:
+                old = self.store.read(uniq, count=False)
+            spread = None
+            if self.sparse_rule is SparseRule.MATCHED:
+                inverse = asked.inverse
+                if perm is not None:
+                    rank_of = np.empty_like(perm)
+                    rank_of[perm] = np.arange(perm.size)
+                    inverse = rank_of[inverse]
+                spread = contributor_spread(copies, inverse, old, count, self.store.layout)
+            mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count, spread, steps)
+        del got, copies  # merged: freed before the write
+        if owners_rows is not None:
+            mean[owners_rows[0]] = owners_rows[1]
+        self._store_merged(uniq, mean, ahead)
 
     def _store_merged(self, uniq: np.ndarray, mean: np.ndarray, ahead: WindowExchange | None) -> None:
         """The owner's merged rows into its store: those the next window holds now, the rest

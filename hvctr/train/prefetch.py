@@ -75,15 +75,19 @@ class WindowSource:
 
     def __init__(self, reader_for_epoch: Callable[[int], BatchReader], schedule: Schedule, comm: Comm,
                  warm: Warm | None, start: tuple[int, int, int],
-                 prefetch: bool, timeout_s: float, route: Route | None = None) -> None:
+                 prefetch: bool, timeout_s: float, route: Route | None = None,
+                 before_window: Callable[[], None] | None = None) -> None:
         """``warm(keys, name)`` takes a window's exchange_keys and returns its WindowExchange
         holding what the owners were asked (kept as the window's ``exchange``); ``route``
-        routes a window's unique keys (None: windows carry no routing)."""
+        routes a window's unique keys (None: windows carry no routing); ``before_window``: what
+        the prefetch thread runs before it prepares each window (ShardedTable.settle_push: the
+        rows the last push left behind, sent while the window before trains)."""
         self._reader_for_epoch = reader_for_epoch
         self._route = route
         self._schedule = schedule
         self._comm = comm
         self._warm = warm if prefetch else None
+        self._before_window = before_window if prefetch else None
         self._epoch, self._batch, self._index = start  # next window's epoch, first batch, number
         self._steps_done = start[0] * schedule.batches_per_epoch + start[1]
         self._readers: dict[int, BatchReader] = {}
@@ -130,6 +134,8 @@ class WindowSource:
     def _run(self) -> None:
         try:
             while self._requests.get():
+                if self._before_window is not None:
+                    self._before_window()
                 window = self._produce()
                 self._ready.put(("window", window))
                 if window is None:

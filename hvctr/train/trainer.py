@@ -136,7 +136,8 @@ class Trainer:
         return store, ShardedTable(self.comm, store, owner, self.device, self.merge_cfg.sparse_rule,
                                    defer_writes=self.cfg.storage.defer_writes,
                                    shared_rows=self.merge_cfg.shared_rows,
-                                   pull_ahead=self.cfg.storage.pull_ahead and self.cfg.data.prefetch)
+                                   pull_ahead=self.cfg.storage.pull_ahead and self.cfg.data.prefetch,
+                                   push_behind=self.cfg.storage.push_behind and self.cfg.merge.mode is MergeMode.KSTEP)
 
     def _build_heap_trimmer(self) -> HeapTrimmer:
         """storage.heap_trim: the C heaps' free pages back to the system after each window."""
@@ -177,7 +178,8 @@ class Trainer:
         source = WindowSource(self.data.reader_for_epoch, schedule, self.comm, self.table.warm,
                               (self.state.epoch, self.state.batch, self.state.window),
                               self.cfg.data.prefetch, self.cfg.train.queue_timeout_s,
-                              route=functools.partial(self.table.route, trusted=True))
+                              route=functools.partial(self.table.route, trusted=True),
+                              before_window=self.table.settle_push)
         log.info(f"training: {total} steps per rank, {schedule.batches_per_epoch} batches per epoch "
                  f"({self.data.dropped_batches} remainder batches dropped on this rank), "
                  f"merge {self.cfg.merge.mode.value} k={schedule.every_k_steps}"
@@ -254,6 +256,7 @@ class Trainer:
         each rank drops its rows unseen for that many passes. Those rows live on in the
         current checkpoint base, so the next checkpoint is a new base (on every rank alike)."""
         with self.meter.phase("io"):
+            self.table.settle_push()  # the rows the last push left behind, before the pass's end
             self.store.end_pass()
             dropped = self.store.compact()
         if self.cfg.storage.ttl_passes:
@@ -285,12 +288,13 @@ class Trainer:
             moments = self._moments()
             flags = self.reducer.merge(moments, self._flags(), name=f"window{w.index}.merge")
             merge_s = time.perf_counter() - t0
-        # The next window, taken before the push where the owners may write after its pull the
-        # rows it does not hold (storage.defer_writes): its warm sent its keys to them. Not
+        # The next window, taken before the push where the rows it does not hold may go to their
+        # owners after its pull (storage.push_behind) or be written then (storage.defer_writes):
+        # its warm sent its keys to them. Not
         # after a stop: the prefetch thread then starts no window past the next (prefetch.py);
         # the one after it, not before its pull (prepare_following above).
         following: Window | None | object = _NOT_TAKEN
-        if self.table.defer_writes and self.cfg.data.prefetch and not flags[STOP]:
+        if (self.table.defer_writes or self.table.push_behind) and self.cfg.data.prefetch and not flags[STOP]:
             following = source.next(prepare_following=False)
         ahead = following.exchange if isinstance(following, Window) else None
         with self.meter.phase("merge"):
@@ -392,6 +396,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, split: str = "valid") -> dict[str, float]:
         """AUC, logloss, NE, COPC over every row of ``split``, from histograms summed over ranks."""
+        self.table.settle_push()  # the rows the last push left behind: read below
         self.model.eval()
         reader = self.data.eval_reader(split)
         # comm: allreduce (Max) of the number of eval batches; ranks out of data send empty pulls
@@ -425,6 +430,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         t0 = time.monotonic()
         with self.meter.phase("io"):
+            self.table.settle_push()  # the rows the last push left behind: in this checkpoint
             path = self.ckpt.save(self.store, self._dense_state(), self.state,
                                   extra={"mode": self.cfg.merge.mode.value, "train_dir": self._train_dir(),
                                          "init_from": self.lineage,

@@ -53,22 +53,28 @@ def test_validation_during_training_is_logged_and_read_only(dataset, tmp_path):
 
 @pytest.mark.parametrize("cache_bytes", ["2e5", "1e9"], ids=["cache10pct", "cache100pct"])
 def test_prefetch_on_off_bit_equal(dataset, tmp_path, cache_bytes):
-    """Prefetch on with storage.defer_writes and storage.pull_ahead (the default) writes the rows
-    the next window does not hold after its pull, beside its steps, and pulls in the prefetch
-    thread the next window's rows no rank holds now; prefetch off writes and pulls every row
-    at the window's end; prefetch on without either writes every row at the window's end and
-    pulls every row after it: the same model all three ways."""
+    """Prefetch on with storage.pull_ahead and storage.push_behind (the defaults) pulls in the
+    prefetch thread the next window's rows no rank holds now, and pushes there the rows the
+    next window does not hold, after its pull; with storage.defer_writes in place of
+    push_behind, the push writes those rows after the next pull, beside its steps; prefetch
+    off pulls and pushes every row at the window's end; prefetch on without pull_ahead pulls
+    every row after the push: the same model all four ways."""
     flags = ["--merge.every_k_steps=4", f"--storage.cpu_cache_bytes={cache_bytes}", "--train.max_steps=24"]
-    train(2, tmp_path / "on", dataset, *flags, "--data.prefetch=true", "--storage.defer_writes=true")
+    runs = ("on", "defer", "off", "now")
+    train(2, tmp_path / "on", dataset, *flags, "--data.prefetch=true")
+    train(2, tmp_path / "defer", dataset, *flags, "--data.prefetch=true", "--storage.push_behind=false",
+          "--storage.defer_writes=true")
     train(2, tmp_path / "off", dataset, *flags, "--data.prefetch=false", "--storage.defer_writes=true")
     train(2, tmp_path / "now", dataset, *flags, "--data.prefetch=true", "--storage.pull_ahead=false")
-    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in ("on", "off", "now")]
+    summaries = [json.loads((tmp_path / run / "summary.json").read_text()) for run in runs]
+    behind = [s["exchange"].get("push_behind_rows", 0) for s in summaries]
+    assert behind[0] > 0 and behind[1:] == [0, 0, 0], behind
     deferred = [s["store"]["deferred_rows"] for s in summaries]
-    assert deferred[0] > 0 and deferred[1:] == [0, 0], deferred
+    assert deferred[1] > 0 and deferred[0] == deferred[2] == deferred[3] == 0, deferred
     ahead = [(s["exchange"].get("ahead_rows", 0), s["exchange"].get("ahead_late_rows", 0)) for s in summaries]
-    assert ahead[0][0] > 0 and ahead[0][1] > 0 and ahead[1:] == [(0, 0), (0, 0)], ahead
-    assert_same_model(tmp_path / "on", tmp_path / "off")
-    assert_same_model(tmp_path / "on", tmp_path / "now")
+    assert all(a > 0 and b > 0 for a, b in ahead[:2]) and ahead[2:] == [(0, 0), (0, 0)], ahead
+    for run in runs[1:]:
+        assert_same_model(tmp_path / "on", tmp_path / run)
 
 
 def test_position_log_changes_no_value(dataset, tmp_path):

@@ -84,22 +84,26 @@ def _reference_merge(ref, contributions):
 
 
 @pytest.mark.parametrize("dist", ["uniform", "zipf"])
-@pytest.mark.parametrize("how", ["keys", "exchange", "prefetch", "pull_ahead"])
+@pytest.mark.parametrize("how", ["keys", "exchange", "prefetch", "pull_ahead", "push_behind"])
 def test_pulls_and_pushes_match_dense_reference(comm, shard_dir, dist, how):
     """how: plain keys (every call sends them); a WindowExchange the pull sends the keys of (and
     the push sends rows only); one the warm sent them of, before window t-1's push (the pull
     sends no keys, and reads the rows after that push); the same where the warm also answers
-    the rows window t does not hold (storage.pull_ahead: the pull answers the rest)."""
+    the rows window t does not hold (storage.pull_ahead: the pull answers the rest); the same where
+    window t's push sends at once only the rows window t+1 holds, and the rest after t+1's pull,
+    before t+2's warm, as the prefetch thread does (storage.push_behind)."""
     cfg = _cfg(cache_rows=60)
     table = _table(comm, shard_dir, cfg)
-    table.pull_ahead = how == "pull_ahead"
+    table.pull_ahead = how in ("pull_ahead", "push_behind")
+    table.push_behind = how == "push_behind"
     layout, uni = RowLayout(DIM), _universe()
     ref = init_rows(uni, layout, cfg.init_scale, cfg.seed)
     windows = 8
     warmed = None
     for t in range(windows):
         mine = _window_idx(t, comm.rank, dist)
-        x = {"keys": uni[mine], "exchange": table.exchange(uni[mine]), "prefetch": warmed, "pull_ahead": warmed}[how]
+        x = {"keys": uni[mine], "exchange": table.exchange(uni[mine]), "prefetch": warmed, "pull_ahead": warmed,
+             "push_behind": warmed}[how]
         if x is None:  # the first window: no warm ran
             x = table.exchange(uni[mine])
         rows = table.pull(x, name=f"t.p{t}")
@@ -107,9 +111,12 @@ def test_pulls_and_pushes_match_dense_reference(comm, shard_dir, dist, how):
         np.testing.assert_array_equal(rows.numpy(), ref[mine])
         if how != "keys":
             assert x.asked is not None  # the owners kept the request: the push sends rows only
-        if how in ("prefetch", "pull_ahead") and t + 1 < windows:  # warm window t+1 before window t's push lands
+        if how != "keys" and how != "exchange" and t + 1 < windows:  # warm window t+1 before window t's push lands
+            table.settle_push()  # window t-1's rows left behind, before the warm (the prefetch thread)
             warmed = table.warm(table.exchange(uni[_window_idx(t + 1, comm.rank, dist)]), name=f"t.w{t + 1}")
-        table.push(x, rows + torch.from_numpy(_delta(t, comm.rank, mine.size, layout.width)), name=f"t.u{t}")
+        ahead = warmed if how == "push_behind" and t + 1 < windows else None
+        table.push(x, rows + torch.from_numpy(_delta(t, comm.rank, mine.size, layout.width)), name=f"t.u{t}",
+                   ahead=ahead)
         contributions = []
         for r in range(comm.size):
             idx = _window_idx(t, r, dist)
@@ -118,10 +125,15 @@ def test_pulls_and_pushes_match_dense_reference(comm, shard_dir, dist, how):
     stats = table.store.stats()
     assert stats["cache_evictions"] > 0 and stats["writeback_rows"] > 0 and stats["shard_bytes_read"] > 0
     ahead = table.stats()
-    if how == "pull_ahead":  # both halves answered something: the rows window t held, and the rest
+    if how in ("pull_ahead", "push_behind"):  # both halves answered something: the rows window t held, and the rest
         assert ahead["ahead_rows"] > 0 and ahead["ahead_late_rows"] > 0
     else:
         assert "ahead_calls" not in ahead
+    if how == "push_behind":  # rows went both ways: with the push, and behind it
+        assert ahead["push_behind_calls"] == windows - 1 and ahead["push_behind_rows"] > 0
+        assert ahead["ahead_behind_rows"] > 0
+    else:
+        assert "push_behind_calls" not in ahead
     # Every row this rank owns, read back from its shard after a flush, equals the reference.
     owned_ref = {}
     touched = np.unique(np.concatenate([_window_idx(t, r, dist) for t in range(windows) for r in range(comm.size)]))
