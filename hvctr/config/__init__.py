@@ -80,6 +80,12 @@ class WriteBehind(str, enum.Enum):
     OFF = "off"  # written pages left to the kernel (dirty, then clean and cached): no wait on the device
 
 
+class PushBehind(str, enum.Enum):
+    AUTO = "auto"  # on where every rank has a core beside its torch threads for the prefetch thread, or a GPU computes
+    ON = "on"  # the push sends the rows the next window does not hold from the prefetch thread
+    OFF = "off"  # every row at the window's end
+
+
 class HeapTrim(str, enum.Enum):
     AUTO = "auto"  # after each window where the job runs under a memory limit (a memory cgroup's)
     WINDOW = "window"  # after each window, always
@@ -163,8 +169,10 @@ class StorageConfig:
     # with storage.pull_ahead, merge.mode = kstep: the window's push sends at once only the rows the
     # next window holds (its pull reads them); the prefetch thread sends and the owners merge the
     # rest while the next window trains (every other reader waits for them). The same values; the
-    # rows left behind are a part of a working set more in memory a rank until then
-    push_behind: bool = True
+    # rows left behind are a part of a working set more in memory a rank until then. auto: on
+    # where every rank has a core beside its torch threads, or trains on a GPU (on 2 cores for 2
+    # ranks of one thread: 0.95-0.97x all cached, 1.02-1.04x out of core, docs/storage.md)
+    push_behind: PushBehind = PushBehind.AUTO
     # pread path: the shard logs where each training window's rows were (16 bytes a key, two files
     # beside it) and the same window of the next pass reads that back instead of an index block per
     # cold key (a pass reads the data in the same order as the one before: hvctr.storage.position_log)

@@ -29,7 +29,9 @@ Time per window is the sum of per-item costs at the measured rates (hvctr.plan.r
     compute k * (dense forward/backward + dense Adam + gather/grad-sum of B F keys
             + lazy Adam of D(B) rows + per-step overhead)
     merge   the grouped allreduce, then push: pack, send, merge by key, cache writes
-            (sync: the gradient push, store reads, Adam on the owner's rows, writes)
+            (sync: the gradient push, store reads, Adam on the owner's rows, writes); with
+            storage.push_behind only the rows the next window holds (rows_held_over, as
+            they leave), the rest in prep, on the prefetch thread
 
 The prefetch thread overlaps the main thread when the rank has a core to spare for it
 (more cpus than torch threads), else its time adds. On a CPU, a rank's torch threads share
@@ -46,7 +48,7 @@ import math
 from dataclasses import dataclass, field
 
 from hvctr.config import (BOTTOM_MLP_ARCHS, CROSS_ARCHS, Compression, MergeMode, MergeStates, ModelArch, ModelConfig,
-                          SparseRule, WriteBehind)
+                          PushBehind, SparseRule, WriteBehind)
 from hvctr.formats import NUM_BUCKETS, SAMPLE_BYTES
 from hvctr.plan.gpus import GpuRates, gpu_rates
 from hvctr.plan.keyfreq import KeyCurve
@@ -104,6 +106,10 @@ class Job:
     # storage.pull_ahead (with prefetch): the prefetch thread pulls the next window's rows no rank
     # holds now; the window's end pulls the rest (rows_held_over)
     pull_ahead: bool = True
+    # storage.push_behind (with pull_ahead, kstep): the window's push sends the rows the next window
+    # holds; the prefetch thread the rest (the same rows_held_over, as they leave). auto: on where
+    # the rank has a core to spare beside its threads or a GPU computes, as the trainer decides
+    push_behind: PushBehind = PushBehind.AUTO
     write_behind: WriteBehind = WriteBehind.AUTO  # storage.write_behind (auto: on where the node's memory is a limit)
 
     @property
@@ -461,10 +467,10 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
         return store + c.alltoall(rows * f * row) + c.copy(rows * row) + dev
 
     keys_out = 2 * c.unique(u) + c.alltoall(u * f * KEY_BYTES)
+    held, held_o = rows_held_over(job, curve) if job.prefetch and job.pull_ahead else (u, u_o)
     if job.prefetch and job.pull_ahead:
         # the warm answers the rows the window before holds on no rank (and a byte a key says
         # which are held over); the window's end answers those, after the push
-        held, held_o = rows_held_over(job, curve)
         prep += answer(u - held, u_o - held_o, new_o) + c.alltoall(u * f)
         pull = keys_out + answer(held, held_o, 0.0)
     else:
@@ -495,9 +501,19 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
                  + c.cpu * u_o * (1 / r.cache_rows_per_s + 1 / r.sparse_rows_per_s + 1 / r.cache_write_rows_per_s)
                  + shard_write)
     else:
-        merge = (dense_merge + 2 * c.unique(u) + c.copy(u * (row + KEY_BYTES))
-                 + c.alltoall(u * f * (row + KEY_BYTES)) + c.cpu * u_o / r.cache_write_rows_per_s + dev
-                 + shard_write)
+        def push(rows: float, owned: float) -> float:
+            """A rank's ``rows`` sent and merged by key, an owner's ``owned`` rows written (and
+            their share of the shard's writes)."""
+            return (2 * c.unique(rows) + c.copy(rows * (row + KEY_BYTES)) + c.alltoall(rows * f * (row + KEY_BYTES))
+                    + c.cpu * owned / r.cache_write_rows_per_s + shard_write * (owned / u_o if u_o else 1.0))
+
+        if job.prefetch and job.pull_ahead and job.push_behind is PushBehind.ON:
+            # a window's rows the next window holds (as many as it holds of this one's, in a
+            # steady stream of windows) now; the rest, and a byte a key saying which, on the prefetch thread
+            merge = dense_merge + push(held, held_o) + dev
+            prep += push(u - held, u_o - held_o) + c.alltoall(u * f)
+        else:
+            merge = dense_merge + push(u, u_o) + dev
     return {"prep": prep, "pull": pull, "compute": compute, "merge": merge, "shard_read": shard_read,
             "shard_write": shard_write, "shard_traffic": traffic}
 
@@ -540,7 +556,13 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     on_device = node.gpus > 0
     # Page cache: host memory the ranks leave free holds shard pages; a shard that does not
     # fit is read from the device at disk_rows_per_s.
-    host_rank = _host_bytes_per_rank(job, u, P)
+    if job.push_behind is PushBehind.AUTO:  # as the trainer resolves it
+        spare = node.cpus / job.ranks_per_node >= node.threads_per_rank + 1
+        job = dataclasses.replace(job, push_behind=PushBehind.ON if spare or on_device else PushBehind.OFF)
+    behind = 0.0
+    if job.prefetch and job.pull_ahead and job.push_behind is PushBehind.ON and job.mode is MergeMode.KSTEP:
+        behind = u - rows_held_over(job, curve)[0]  # the rows a push leaves behind, until the prefetch thread sends them
+    host_rank = _host_bytes_per_rank(job, u, P, behind)
     if job.sparse_rule is not SparseRule.AVERAGE or job.shared_rows:  # the owner's rows as pulled, kept for the push
         # (and, with storage.pull_ahead, the next window's too, from its warm to its pull)
         host_rank += u_o * layout.row_bytes * (2 if job.prefetch and job.pull_ahead else 1)
@@ -698,15 +720,16 @@ def _stretch(job: Job, node: NodeInfo, rates: Rates) -> float:
     return max(want / had, 1.0)
 
 
-def _host_bytes_per_rank(job: Job, u: float, params: int) -> float:
-    """Cache budget + working set and its messages (and the next window's, pulled ahead) + two
-    windows of data + dense state + the shard's key filter, waiting index entries and recent
-    positions + base."""
+def _host_bytes_per_rank(job: Job, u: float, params: int, behind: float = 0.0) -> float:
+    """Cache budget + working set and its messages (and the next window's, pulled ahead, and the
+    ``behind`` rows a push left behind) + two windows of data + dense state + the shard's key
+    filter, waiting index entries and recent positions + base."""
     row = RowLayout(job.dim).row_bytes
     window_data = 2 * job.k * job.batch_size_per_rank * (SAMPLE_BYTES + 8 * job.model.num_fields)
     shard = memory_bytes(rows_per_rank(job.keys, job.world_size), job.max_load_factor, job.cpu_cache_bytes)
     ahead = u * row if job.prefetch and job.pull_ahead else 0.0  # storage.pull_ahead: the next window's rows
-    return job.cpu_cache_bytes + 3 * u * row + ahead + window_data + 8 * params * 4 + shard + BASE_RANK_BYTES
+    return (job.cpu_cache_bytes + 3 * u * row + ahead + behind * row + window_data + 8 * params * 4 + shard
+            + BASE_RANK_BYTES)
 
 
 def _device_bytes(job: Job, u: float, params: int) -> float:

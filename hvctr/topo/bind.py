@@ -408,6 +408,19 @@ def default_threads(allowed: int, env: Mapping[str, str], local_size: int) -> tu
     return max(1, n), why
 
 
+def rank_cpus(local_size: int) -> tuple[float, str]:
+    """(cpus this rank has to itself, how that was counted): its affinity mask where a hardware
+    map bound it, else the mask shared by the ranks on the node (the launcher's local size, else
+    ``local_size``)."""
+    allowed = len(os.sched_getaffinity(0))
+    placement = applied_placement()
+    if placement is not None and placement.bound:
+        return float(allowed), f"{allowed} cpus bound by the hardware map"
+    local, _ = launcher_local_size(os.environ)
+    local = local or max(1, local_size)
+    return allowed / local, f"{allowed} cpus shared by {local} rank{'s' if local != 1 else ''}"
+
+
 def applied_placement() -> Placement | None:
     return _applied[1] if _applied else None
 

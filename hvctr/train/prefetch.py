@@ -16,7 +16,11 @@ missing rows from SSD into the CPU cache and keep the request (the window's ``ex
 hvctr.storage.exchange.WindowExchange, records it: its pull and push send no keys again). The
 rows themselves are read and sent by the main thread's pull after merge(t), so window t+1
 sees the state after merge(t), and prefetch on or off gives bit-equal models (with prefetch
-off the pull sends the keys, and the push sends rows only all the same).
+off the pull sends the keys, and the push sends rows only all the same). With storage.pull_ahead
+the warm also answers the rows of t+1 that window t does not hold (nothing writes them before
+t+1's pull), and with storage.push_behind the thread, before it prepares t+1, sends the rows
+window t-1's push left behind (``before_window``: rows window t does not hold, so t's pull did
+not wait for them).
 """
 
 from __future__ import annotations

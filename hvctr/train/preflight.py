@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 
 from hvctr import memcg
-from hvctr.config import Config, load_config
+from hvctr.config import Config, MergeMode, PushBehind, load_config
 from hvctr.config.resolve import size_batch
 from hvctr.distributed.world import check_collectively, world_rank, world_size
 from hvctr.topo.bind import launcher_local_size
@@ -343,7 +343,8 @@ def rank_memory_beside_cache(cfg: Config) -> int:
     """About what a rank needs beside storage.cpu_cache_bytes: RANK_BASE_MEMORY plus its window's
     rows (k batches, about half their keys unique, at most storage.max_working_set_rows) in
     WINDOW_ROW_COPIES copies (two more with storage.pull_ahead: the next window's rows, pulled
-    while this one trains, as holder and owner), and the shard's recent positions (a quarter of the cache's bytes:
+    while this one trains, as holder and owner; one more with storage.push_behind: the rows a
+    push leaves behind), and the shard's recent positions (a quarter of the cache's bytes:
     hvctr.storage.shard.RecentPositions). Measured: 1.2-1.6 GiB a rank at k = 8, batch 4096, 26
     fields, dim 16 (BENCHMARKS.md, "A table larger than memory"); this gives 1.36 GiB and the
     positions."""
@@ -353,7 +354,10 @@ def rank_memory_beside_cache(cfg: Config) -> int:
     rows = min(cfg.storage.max_working_set_rows,
                cfg.merge.every_k_steps * cfg.data.batch_size_per_rank * cfg.model.num_fields // 2)
     recent = recent_positions_for(cfg.storage.cpu_cache_bytes) * RECENT_POSITION_BYTES
-    copies = WINDOW_ROW_COPIES + (2 if cfg.storage.pull_ahead and cfg.data.prefetch else 0)  # the next window's, both sides
+    ahead = cfg.storage.pull_ahead and cfg.data.prefetch
+    copies = WINDOW_ROW_COPIES + (2 if ahead else 0)  # the next window's, both sides
+    if ahead and cfg.storage.push_behind is not PushBehind.OFF and cfg.merge.mode is MergeMode.KSTEP:
+        copies += 1  # the rows a push left behind, until the prefetch thread sends them
     return RANK_BASE_MEMORY + copies * RowLayout(cfg.storage.dim).row_bytes * rows + recent
 
 

@@ -5,9 +5,10 @@
         for batch in window: local step         # gather -> model -> loss -> backward -> lazy/dense Adam
         merger.merge(dense params, Adam moments, flags)   # one grouped allreduce
         table.push(window.exchange, rows)       # owners average each row over its contributors
-                                                # (storage.defer_writes: the next window is taken first,
-                                                # and owners write now only the rows it holds, the rest
-                                                # beside its steps, from the end of its pull)
+                                                # (storage.push_behind: the next window is taken first,
+                                                # and only the rows it holds go now, the rest from the
+                                                # prefetch thread after its pull; storage.defer_writes:
+                                                # all go, owners write the rest after that pull)
         maybe checkpoint; stop if any rank asked
 
 A window arrives routed (its keys' owners, computed once where it was built, in its
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from hvctr.checkpoint.format import TrainState, checkpoint_path, locate
 from hvctr.checkpoint.manager import CheckpointManager
-from hvctr.config import Compression, Config, MergeMode, SparseRule
+from hvctr.config import Compression, Config, MergeMode, PushBehind, SparseRule
 from hvctr.distributed.world import AgreedError
 from hvctr import memcg
 from hvctr.formats import RowLayout, default_bucket_owner
@@ -52,6 +53,7 @@ from hvctr.train.meter import Meter
 from hvctr.train.prefetch import Schedule, WindowSource
 from hvctr.train.row_sync import SharedRowSync
 from hvctr.rundir import private_scratch_dir, working_shard_place
+from hvctr.topo.bind import rank_cpus
 from hvctr.train.stop import StopRequest
 from hvctr.train.window import Window
 
@@ -137,7 +139,27 @@ class Trainer:
                                    defer_writes=self.cfg.storage.defer_writes,
                                    shared_rows=self.merge_cfg.shared_rows,
                                    pull_ahead=self.cfg.storage.pull_ahead and self.cfg.data.prefetch,
-                                   push_behind=self.cfg.storage.push_behind and self.cfg.merge.mode is MergeMode.KSTEP)
+                                   push_behind=self._push_behind())
+
+    def _push_behind(self) -> bool:
+        """storage.push_behind resolved, alike on every rank (it decides what the collectives
+        send): auto is on where every rank trains on a GPU or has a core beside its torch threads
+        for the prefetch thread, whose work otherwise takes the compute's CPU."""
+        s = self.cfg.storage
+        if (s.push_behind is PushBehind.OFF or not (s.pull_ahead and self.cfg.data.prefetch)
+                or self.cfg.merge.mode is not MergeMode.KSTEP):
+            return False
+        if s.push_behind is PushBehind.ON:
+            return True
+        cpus, why = rank_cpus(self.comm.local_size)
+        spare = self.device.type == "cuda" or cpus >= torch.get_num_threads() + 1
+        # comm: allreduce (Min) of whether each rank has a core to spare
+        (every,) = self.comm.allreduce_min_int([int(spare)], name="push_behind.spare")
+        if self.comm.rank == 0:
+            log.info(f"storage.push_behind auto: {'on' if every else 'off'} (rank 0: {why}, "
+                     f"{torch.get_num_threads()} torch thread(s), device {self.device.type}"
+                     + ("" if every == spare else "; another rank has no core to spare") + ")")
+        return bool(every)
 
     def _build_heap_trimmer(self) -> HeapTrimmer:
         """storage.heap_trim: the C heaps' free pages back to the system after each window."""

@@ -103,7 +103,7 @@ def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
         flags += ["--merge.shared_rows=64"]
     if mode == "kstep-shared-fp32":  # the same, their gradients and values as float32 on the wire
         flags += ["--merge.shared_rows=64", "--merge.shared_rows_bf16=false"]
-    train(np_, tmp_path / "mpi", dataset, *flags)
+    train(np_, tmp_path / "mpi", dataset, *flags, "--storage.push_behind=on")  # auto: off on 2 cores
     r = simulate(np_, tmp_path / "sim", dataset, *flags)
     compare(tmp_path / "mpi", tmp_path / "sim")
     assert evaluation(tmp_path / "mpi") == evaluation(tmp_path / "sim")  # float64 histogram sums, same order

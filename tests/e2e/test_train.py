@@ -33,11 +33,14 @@ def test_kstep_run_reports_and_learns(dataset, tmp_path):
     assert any(e["event"] == "progress" for e in progress)
     assert "AUC" in r.stdout and "samples/s" in r.stdout and "NE " in r.stdout
     assert " eta " in r.stdout  # progress lines: time left and the date and time it ends
+    # the default threads take every cpu a rank has: no core to spare for pushing behind
+    assert "storage.push_behind auto: off (rank 0:" in r.stdout
 
 
 def test_validation_during_training_is_logged_and_read_only(dataset, tmp_path):
     flags = ["--merge.every_k_steps=4", "--train.max_steps=24", "--storage.cpu_cache_bytes=2e5"]
-    r = train(2, tmp_path / "eval", dataset, *flags, "--metrics.eval_every_windows=2")
+    # pushing behind: each validation first sends the rows the last push left behind
+    r = train(2, tmp_path / "eval", dataset, *flags, "--metrics.eval_every_windows=2", "--storage.push_behind=on")
     train(2, tmp_path / "plain", dataset, *flags)
     assert_same_model(tmp_path / "eval", tmp_path / "plain")  # evaluating changed nothing
     events = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
@@ -53,7 +56,7 @@ def test_validation_during_training_is_logged_and_read_only(dataset, tmp_path):
 
 @pytest.mark.parametrize("cache_bytes", ["2e5", "1e9"], ids=["cache10pct", "cache100pct"])
 def test_prefetch_on_off_bit_equal(dataset, tmp_path, cache_bytes):
-    """Prefetch on with storage.pull_ahead and storage.push_behind (the defaults) pulls in the
+    """Prefetch on with storage.pull_ahead and storage.push_behind pulls in the
     prefetch thread the next window's rows no rank holds now, and pushes there the rows the
     next window does not hold, after its pull; with storage.defer_writes in place of
     push_behind, the push writes those rows after the next pull, beside its steps; prefetch
@@ -61,8 +64,8 @@ def test_prefetch_on_off_bit_equal(dataset, tmp_path, cache_bytes):
     every row after the push: the same model all four ways."""
     flags = ["--merge.every_k_steps=4", f"--storage.cpu_cache_bytes={cache_bytes}", "--train.max_steps=24"]
     runs = ("on", "defer", "off", "now")
-    train(2, tmp_path / "on", dataset, *flags, "--data.prefetch=true")
-    train(2, tmp_path / "defer", dataset, *flags, "--data.prefetch=true", "--storage.push_behind=false",
+    train(2, tmp_path / "on", dataset, *flags, "--data.prefetch=true", "--storage.push_behind=on")
+    train(2, tmp_path / "defer", dataset, *flags, "--data.prefetch=true", "--storage.push_behind=off",
           "--storage.defer_writes=true")
     train(2, tmp_path / "off", dataset, *flags, "--data.prefetch=false", "--storage.defer_writes=true")
     train(2, tmp_path / "now", dataset, *flags, "--data.prefetch=true", "--storage.pull_ahead=false")
@@ -102,8 +105,9 @@ def test_sync_mode_runs_and_learns(dataset, tmp_path):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_resume_after_kill_is_bit_equal(dataset, tmp_path, np_):
+    # pushing behind: each checkpoint first sends the rows the last push left behind
     flags = ["--merge.every_k_steps=2", "--checkpoint.every_windows=3", "--checkpoint.compact_every=2",
-             "--storage.cpu_cache_bytes=3e5", "--train.max_steps=30"]
+             "--storage.cpu_cache_bytes=3e5", "--train.max_steps=30", "--storage.push_behind=on"]
     train(np_, tmp_path / "whole", dataset, *flags)
     kill_after_checkpoint(flags, np_, tmp_path / "cut", dataset, seq=2)
     train(np_, tmp_path / "cut", dataset, *flags, resume=True)

@@ -140,3 +140,22 @@ def test_pci_bus_ids_compare_across_spellings():
     assert _pci_tuple("0000:07:00.0") == _pci_tuple("00000000:07:00.0") == (0, 7, 0)
     assert _pci_tuple("0000:bd:00.0") == (0, 0xBD, 0)
     assert _pci_tuple("") is None
+
+
+def test_rank_cpus_shares_an_unbound_mask_among_the_launchers_ranks(monkeypatch):
+    """storage.push_behind = auto reads it: an unbound rank has its mask over the ranks on the
+    node (the launcher's local size first, else the count given)."""
+    import os
+
+    from hvctr.topo import bind
+
+    monkeypatch.setattr(bind, "_applied", None)
+    allowed = len(os.sched_getaffinity(0))
+    for var in bind._LOCAL_SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    assert bind.rank_cpus(4)[0] == allowed / 4
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    cpus, why = bind.rank_cpus(4)
+    assert cpus == allowed / 2 and why == f"{allowed} cpus shared by 2 ranks"
