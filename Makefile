@@ -12,7 +12,7 @@ MPIRUN  := mpirun --bind-to none
 PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup test test-unit test-mpi test-e2e demo docs clean
+.PHONY: setup bench-setup test test-unit test-mpi test-e2e demo docs clean
 
 # Root on Debian: apt packages first; otherwise (no root, no apt) the site's MPI from `mpicc` on
 # PATH, no apt, no sudo, no Slurm of its own. HVCTR_SETUP=debian|site forces one (docs/install.md).
@@ -48,6 +48,13 @@ demo: setup
 	    --data.train_dir=$(DEMO_DIR)/data --train.run_dir=$(DEMO_DIR)/run
 	$(MPIRUN) -np 2 $(PY) -m mpi4py -m hvctr eval --run-dir $(DEMO_DIR)/run
 	$(PY) -m hvctr report --run-dir $(DEMO_DIR)/run
+
+# The peers bench.train and bench.baseline measure hvctr against (TorchRec on fbgemm's CPU build),
+# as setup.cfg's bench extra says: torchrec itself without its dependencies, which name the CUDA build.
+bench-setup: setup
+	$(PY) -m pip install -q -c install/constraints.txt torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])') \
+	    $$($(PY) -c 'import configparser; c = configparser.ConfigParser(); c.read("setup.cfg"); print(" ".join(c["options.extras_require"]["bench"].split()))')
+	$(PY) -m pip install -q --no-deps torchrec==1.8.0
 
 # docs/configuration.md from the comments in hvctr/config/__init__.py (a unit test checks it is current).
 docs:
