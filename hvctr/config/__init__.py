@@ -81,7 +81,7 @@ class WriteBehind(str, enum.Enum):
 
 
 class PushBehind(str, enum.Enum):
-    AUTO = "auto"  # on where every rank has a core beside its torch threads for the prefetch thread, or a GPU computes
+    AUTO = "auto"  # on where every rank has a core to spare for the prefetch thread, a GPU, or a cache of <= 10% of its shard
     ON = "on"  # the push sends the rows the next window does not hold from the prefetch thread
     OFF = "off"  # every row at the window's end
 
@@ -170,8 +170,9 @@ class StorageConfig:
     # next window holds (its pull reads them); the prefetch thread sends and the owners merge the
     # rest while the next window trains (every other reader waits for them). The same values; the
     # rows left behind are a part of a working set more in memory a rank until then. auto: on
-    # where every rank has a core beside its torch threads, or trains on a GPU (on 2 cores for 2
-    # ranks of one thread: 0.95-0.97x all cached, 1.02-1.04x out of core, docs/storage.md)
+    # where every rank has a core beside its torch threads, trains on a GPU, or has a cache of at
+    # most a tenth of its shard's rows (on 2 cores for 2 ranks of one thread: 0.95-0.99x all
+    # cached, 1.02-1.05x with the cache at 10% of the table, docs/storage.md)
     push_behind: PushBehind = PushBehind.AUTO
     # pread path: the shard logs where each training window's rows were (16 bytes a key, two files
     # beside it) and the same window of the next pass reads that back instead of an index block per

@@ -108,7 +108,8 @@ class Job:
     pull_ahead: bool = True
     # storage.push_behind (with pull_ahead, kstep): the window's push sends the rows the next window
     # holds; the prefetch thread the rest (the same rows_held_over, as they leave). auto: on where
-    # the rank has a core to spare beside its threads or a GPU computes, as the trainer decides
+    # the rank has a core to spare beside its threads, a GPU computes or the cache holds at most a
+    # tenth of the shard's rows, as the trainer decides
     push_behind: PushBehind = PushBehind.AUTO
     write_behind: WriteBehind = WriteBehind.AUTO  # storage.write_behind (auto: on where the node's memory is a limit)
 
@@ -556,9 +557,11 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     on_device = node.gpus > 0
     # Page cache: host memory the ranks leave free holds shard pages; a shard that does not
     # fit is read from the device at disk_rows_per_s.
-    if job.push_behind is PushBehind.AUTO:  # as the trainer resolves it
+    if job.push_behind is PushBehind.AUTO:  # as the trainer resolves it (the shard's capacity: rows_per_rank)
         spare = node.cpus / job.ranks_per_node >= node.threads_per_rank + 1
-        job = dataclasses.replace(job, push_behind=PushBehind.ON if spare or on_device else PushBehind.OFF)
+        out_of_core = cache_entries <= 0.1 * rows_per_rank(job.keys, W)
+        job = dataclasses.replace(job, push_behind=PushBehind.ON if spare or on_device or out_of_core
+                                  else PushBehind.OFF)
     behind = 0.0
     if job.prefetch and job.pull_ahead and job.push_behind is PushBehind.ON and job.mode is MergeMode.KSTEP:
         behind = u - rows_held_over(job, curve)[0]  # the rows a push leaves behind, until the prefetch thread sends them

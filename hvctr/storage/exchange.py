@@ -631,9 +631,11 @@ class ShardedTable:
             now, later = split.now_sent, ~split.now_sent
             self._merge_sent(rec, keys, msg[now], np.bincount(owner[now], minlength=self.comm.size).tolist(),
                              split.now_key, name, steps, ahead)
-            self._pending = _PendingPush(keys, np.ascontiguousarray(msg[later]),
-                                         np.bincount(owner[later], minlength=self.comm.size).tolist(),
-                                         ~split.now_key, f"{name}.behind", steps)
+            pending = _PendingPush(keys, np.ascontiguousarray(msg[later]),
+                                   np.bincount(owner[later], minlength=self.comm.size).tolist(),
+                                   ~split.now_key, f"{name}.behind", steps)
+            with self._push_lock:  # the prefetch thread takes it once asked for the window after next
+                self._pending = pending
 
     def settle_push(self) -> None:
         """Sends and merges the rows the last push left behind (push_behind), once: the prefetch

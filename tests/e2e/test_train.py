@@ -85,7 +85,9 @@ def test_position_log_changes_no_value(dataset, tmp_path):
     found through the shard's position log (storage.position_log), not their index blocks; the
     model is the one trained without the log."""
     flags = ["--merge.every_k_steps=4", "--storage.cpu_cache_bytes=3e5", "--train.epochs=2"]
-    train(2, tmp_path / "log", dataset, *flags)
+    r = train(2, tmp_path / "log", dataset, *flags)
+    # out of core (a cache of about 1% of the shard's rows): pushing behind is on, storage.push_behind = auto
+    assert "storage.push_behind auto: on (rank 0:" in r.stdout
     train(2, tmp_path / "nolog", dataset, *flags, "--storage.position_log=false")
     stores = [json.loads((tmp_path / run / "summary.json").read_text())["store"] for run in ("log", "nolog")]
     assert stores[0]["recalled_positions"] > 1000 and stores[1]["recalled_positions"] == 0
