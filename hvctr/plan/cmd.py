@@ -146,7 +146,8 @@ def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows:
                sparse_rule=m.sparse_rule,
                cpu_cache_bytes=s.cpu_cache_bytes,
                max_load_factor=s.max_load_factor, model=cfg.model, pass_rows=pass_rows, prefetch=cfg.data.prefetch,
-               pull_ahead=cfg.storage.pull_ahead, push_behind=cfg.storage.push_behind,
+               # as the exchange decides: no pulling ahead where keys are admitted by count or rows expire
+               pull_ahead=s.pull_ahead and s.admit_after <= 1 and s.ttl_passes == 0, push_behind=s.push_behind,
                write_behind=s.write_behind)
 
 

@@ -431,3 +431,29 @@ def test_rows_held_over_match_independent_draws():
     assert np.mean(holder) == pytest.approx(want_holder, rel=0.05)
     assert np.mean(owner) == pytest.approx(want_owner, rel=0.05)
     assert 0 < want_holder < curve(k * B)
+
+
+def test_the_plan_pulls_ahead_and_pushes_behind_where_training_would():
+    """job_from turns pull ahead off where the exchange does (keys admitted by count, rows that
+    expire); plan resolves push_behind = auto as the trainer does: on with a core to spare, a GPU
+    or a cache of at most a tenth of the shard's rows, and then the window's end pushes less."""
+    from hvctr.config import PushBehind, load_config
+    from hvctr.plan.cmd import job_from
+
+    def job(*flags):
+        return job_from(load_config(None, list(flags)), nodes=1, ranks_per_node=2, keys=10**7, pass_rows=0)
+
+    assert job().pull_ahead
+    assert not job("--storage.admit_after=2").pull_ahead and not job("--storage.ttl_passes=3").pull_ahead
+    curve = zipf_curve(10**6, 1.1, 26)
+    busy = dataclasses.replace(NODE, cpus=2, threads_per_rank=1)
+    big_cache = _job(ranks_per_node=2, cpu_cache_bytes=1 << 34)
+    assert plan(big_cache, busy, RATES, curve).job.push_behind is PushBehind.OFF
+    spare = dataclasses.replace(NODE, cpus=8)
+    assert plan(big_cache, spare, RATES, curve).job.push_behind is PushBehind.ON  # a core to spare
+    small = _job(ranks_per_node=2, cpu_cache_bytes=1 << 20)
+    on = plan(small, busy, RATES, curve)
+    off = plan(dataclasses.replace(small, push_behind=PushBehind.OFF), busy, RATES, curve)
+    assert on.job.push_behind is PushBehind.ON
+    assert on.figures["merge_s_per_step"] < off.figures["merge_s_per_step"]
+    assert on.figures["prep_s_per_step"] > off.figures["prep_s_per_step"]
