@@ -229,6 +229,12 @@ class Trainer:
             window = source.next()
             while window is not None:
                 flags, following = self._train_window(window, source)
+                if following is _NOT_TAKEN and self.table.pull_ahead:
+                    # the window the prefetch thread is preparing (asked for at this window's pull;
+                    # after a stop too): its pull ahead adds rows to the store, so it ends before
+                    # whatever reads the store whole next (a checkpoint, a pass's end, validation).
+                    # Taken, it lets no window after it start before its own pull.
+                    following = source.next(prepare_following=False)
                 self._advance(window, schedule)
                 if self.state.batch == 0:
                     self._end_pass()
