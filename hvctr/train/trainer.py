@@ -157,13 +157,13 @@ class Trainer:
         cpus, why = rank_cpus(self.comm.local_size)
         cached = entries_for_budget(store.layout.width, s.cpu_cache_bytes) / max(store.shard.capacity, 1)
         spare = self.device.type == "cuda" or cpus >= torch.get_num_threads() + 1 or cached <= 0.1
-        # comm: allreduce (Min) of whether each rank has a core to spare
+        # comm: allreduce (Min) of whether each rank would push behind (one off: all off)
         (every,) = self.comm.allreduce_min_int([int(spare)], name="push_behind.spare")
         if self.comm.rank == 0:
             log.info(f"storage.push_behind auto: {'on' if every else 'off'} (rank 0: {why}, "
                      f"{torch.get_num_threads()} torch thread(s), device {self.device.type}, "
                      f"a cache of {cached:.1%} of its shard's rows"
-                     + ("" if every == spare else "; another rank has no core to spare") + ")")
+                     + ("" if every == spare else "; off on another rank") + ")")
         return bool(every)
 
     def _build_heap_trimmer(self) -> HeapTrimmer:
