@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from hvctr.config import (BOTTOM_MLP_ARCHS, CROSS_ARCHS, Compression, MergeMode, MergeStates, ModelArch, ModelConfig,
                           PushBehind, SparseRule, WriteBehind)
+from hvctr.config.resolve import pushes_behind
 from hvctr.formats import NUM_BUCKETS, SAMPLE_BYTES
 from hvctr.plan.gpus import GpuRates, gpu_rates
 from hvctr.plan.keyfreq import KeyCurve
@@ -558,10 +559,9 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     # Page cache: host memory the ranks leave free holds shard pages; a shard that does not
     # fit is read from the device at disk_rows_per_s.
     if job.push_behind is PushBehind.AUTO:  # as the trainer resolves it (the shard's capacity: rows_per_rank)
-        spare = node.cpus / job.ranks_per_node >= node.threads_per_rank + 1
-        out_of_core = cache_entries <= 0.1 * rows_per_rank(job.keys, W)
-        job = dataclasses.replace(job, push_behind=PushBehind.ON if spare or on_device or out_of_core
-                                  else PushBehind.OFF)
+        on = pushes_behind(node.cpus / job.ranks_per_node, node.threads_per_rank, on_device, cache_entries,
+                           rows_per_rank(job.keys, W))
+        job = dataclasses.replace(job, push_behind=PushBehind.ON if on else PushBehind.OFF)
     behind = 0.0
     if job.prefetch and job.pull_ahead and job.push_behind is PushBehind.ON and job.mode is MergeMode.KSTEP:
         behind = u - rows_held_over(job, curve)[0]  # the rows a push leaves behind, until the prefetch thread sends them

@@ -47,7 +47,7 @@ from hvctr.optim import (adam_step_count, apply_adam_to_rows, gather_embeddings,
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.train.feed import TrainData
 from hvctr.train.lr import LearningRates
-from hvctr.config.resolve import batch_growth, resolve_merge
+from hvctr.config.resolve import batch_growth, pushes_behind, resolve_merge
 from hvctr.train.merger import KStepMerger, SyncGradients
 from hvctr.train.meter import Meter
 from hvctr.train.prefetch import Schedule, WindowSource
@@ -144,10 +144,7 @@ class Trainer:
 
     def _push_behind(self, store: EmbeddingStore) -> bool:
         """storage.push_behind resolved, alike on every rank (it decides what the collectives
-        send): auto is on where every rank trains on a GPU, has a core beside its torch threads
-        for the prefetch thread (whose work otherwise takes the compute's CPU), or has a cache of
-        at most a tenth of its shard's capacity (out of core: what moves is mostly waiting on the
-        device's write-back and reads, 1.02-1.05x on 2 cores where all cached gave 0.95-0.99x)."""
+        send): auto is hvctr.config.resolve.pushes_behind on every rank."""
         s = self.cfg.storage
         if (s.push_behind is PushBehind.OFF or not (s.pull_ahead and self.cfg.data.prefetch)
                 or self.cfg.merge.mode is not MergeMode.KSTEP):
@@ -155,8 +152,10 @@ class Trainer:
         if s.push_behind is PushBehind.ON:
             return True
         cpus, why = rank_cpus(self.comm.local_size)
-        cached = entries_for_budget(store.layout.width, s.cpu_cache_bytes) / max(store.shard.capacity, 1)
-        spare = self.device.type == "cuda" or cpus >= torch.get_num_threads() + 1 or cached <= 0.1
+        cache_rows = entries_for_budget(store.layout.width, s.cpu_cache_bytes)
+        cached = cache_rows / max(store.shard.capacity, 1)
+        spare = pushes_behind(cpus, torch.get_num_threads(), self.device.type == "cuda", cache_rows,
+                              store.shard.capacity)
         # comm: allreduce (Min) of whether each rank would push behind (one off: all off)
         (every,) = self.comm.allreduce_min_int([int(spare)], name="push_behind.spare")
         if self.comm.rank == 0:
