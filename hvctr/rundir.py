@@ -201,7 +201,7 @@ MUST_MATCH = frozenset({
     "storage.ttl_passes",
     "merge.mode", "merge.every_k_steps", "merge.k_warmup_steps",
     "data.batch_size_per_rank",
-    "train.seed",
+    "train.seed", "train.sparse_optimizer",
     "data.digest",
 })
 

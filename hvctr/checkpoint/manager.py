@@ -22,7 +22,7 @@ from hvctr.checkpoint.format import (
     write_manifest, write_reserved,
 )
 from hvctr.distributed.world import AgreedError, group_errors, raise_agreed
-from hvctr.formats import safefile
+from hvctr.formats import SparseOptimizer, safefile
 from hvctr.formats.space import remedy
 from hvctr.kernels import native
 from hvctr.log import get_logger
@@ -121,7 +121,8 @@ class CheckpointManager:
         the last mark), streamed from the store; returns its row count."""
         n = store.count_rows(delta_only=kind == "delta")
         attrs = {"format_version": FORMAT_VERSION, "seq": seq, "kind": kind, "rank": self.comm.rank,
-                 "world_size": self.comm.size, "pass_index": store.pass_index}
+                 "world_size": self.comm.size, "pass_index": store.pass_index,
+                 "sparse_optimizer": store.layout.optimizer.value, "row_columns": store.layout.columns()}
         arrays = {f"dense/{name}": t.detach().cpu().numpy() for name, t in dense.items()}
         admission = store.admission_state()
         if admission is not None:
@@ -277,6 +278,12 @@ class CheckpointManager:
             path = rank_file_path(self.dir, seq, self.comm.rank)
             with h5py.File(path, "r") as f:
                 kds, rds = f["keys"], f["rows"]
+                # no attribute: a checkpoint from before row-wise optimisers, Adam's rows
+                saved = str(f.attrs.get("sparse_optimizer", SparseOptimizer.ADAM.value))
+                if saved != store.layout.optimizer.value:
+                    raise ValueError(f"{path}: rows of train.sparse_optimizer = {saved}, this run's are "
+                                     f"{store.layout.optimizer.value}: the rows carry their optimiser's states; "
+                                     f"continue from it with --train.sparse_optimizer={saved}")
                 if rds.shape[1] != store.layout.width:
                     raise ValueError(f"{path}: rows of width {rds.shape[1]}, this run's rows have "
                                      f"{store.layout.width} (storage.dim differs)")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from hvctr.formats import SparseOptimizer
 from hvctr.formats.tomlfile import read_toml
 
 
@@ -132,7 +133,7 @@ class TopologyConfig:
 
 @dataclass(frozen=True)
 class StorageConfig:
-    dim: int = 16  # embedding dimension D; a row holds 3 * (D + 1) + 1 float32
+    dim: int = 16  # embedding dimension D; a row holds 3 * (D + 1) + 1 float32 with Adam (train.sparse_optimizer)
     # working shards; empty: the hardware map's SSD for the rank, else node-local scratch
     # ($SLURM_TMPDIR, $TMPDIR: hvctr.rundir.working_shard_dir), else <run_dir>/shards
     shard_dir: str = ""
@@ -282,6 +283,12 @@ class TrainConfig:
     beta1: float = 0.9  # Adam's beta1, at one rank (merge.adam_scaling adapts it to W ranks)
     beta2: float = 0.999  # Adam's beta2, at one rank (merge.adam_scaling)
     eps: float = 1e-8  # Adam's epsilon, at one rank (merge.adam_scaling)
+    # the embedding rows' optimiser, which fixes what a row stores beside its D + 1 model floats:
+    # adam (m and v per column, 3 (D + 1) + 1 floats a row), rowwise_adam (m per column, one v a
+    # row: 2 (D + 1) + 2) or rowwise_adagrad (one accumulator a row, TorchRec's fused optimiser and
+    # MLPerf's: D + 3; its rate is sparse_lr, beta1 and beta2 unused). Shards and checkpoints
+    # record it: a resume or an init_from with another one is refused
+    sparse_optimizer: SparseOptimizer = SparseOptimizer.ADAM
     seed: int = 1234  # dense parameter init; identical on every rank
     device: Device = Device.AUTO  # where the model and the working set live
     threads: int = 0  # torch threads per rank; 0: the placement plan's, else the rank's cpus / ranks sharing them

@@ -22,12 +22,15 @@ Key rule (one key space for every field, PaddleBox's "feasign"), field f = 0 for
 Ownership: ``bucket(key) = mix64(key) >> 52`` (4096 virtual buckets), ``owner =
 bucket_owner[bucket]``; changing the world size moves whole buckets, never rehashes keys.
 
-The row: float32 ``[w (dim) | w1 (1) | m (dim+1) | v (dim+1) | step (1)]``; the first dim+1
-values are the model, the rest is the sparse Adam state that moves, merges and is
-checkpointed with it. A new row depends on its key and the seed alone (``init_rows``).
+The row: float32 ``[w (dim) | w1 (1) | m (dim+1) | v (dim+1) | step (1)]`` with the default
+sparse optimiser (Adam); the first dim+1 values are the model, the rest is the optimiser's state
+that moves, merges and is checkpointed with it (row-wise Adam and Adagrad keep less: RowLayout).
+A new row depends on its key and the seed alone (``init_rows``).
 """
 
 from __future__ import annotations
+
+import enum
 
 import numpy as np
 
@@ -181,48 +184,83 @@ _COLUMN_STEP = np.uint64(0x9E3779B97F4A7C15)  # the golden-ratio increment of sp
 _U24 = np.uint64(40)  # keep the top 24 bits: exact in float32 and float64
 
 
-class RowLayout:
-    """Column layout of a row for embedding dimension ``dim``.
+class SparseOptimizer(str, enum.Enum):
+    """What a row keeps beside its model columns (config key train.sparse_optimizer): the row's
+    optimiser, which fixes its layout (``RowLayout``)."""
 
-    - ``width = 3 * (dim + 1) + 1`` float32 values per row
+    ADAM = "adam"  # Adam's m and v for every model column: 2 (D + 1) + 1 state floats
+    # m for every model column, one v a row (fbgemm's PARTIAL_ROWWISE_ADAM): D + 3 state floats.
+    # Adam with one m per row too would have no direction to step in: m is the mean gradient.
+    ROWWISE_ADAM = "rowwise_adam"
+    # one accumulated mean squared gradient a row (fbgemm's EXACT_ROWWISE_ADAGRAD, TorchRec's fused
+    # optimiser and MLPerf's DLRM): 2 state floats
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+
+
+class RowLayout:
+    """Column layout of a row for embedding dimension ``dim`` and its ``optimizer``'s states.
+
     - ``w``: slice of the dim embedding values; ``w1``: index of the first-order weight
     - ``model``: slice of the first dim+1 columns (w and w1): what the model reads
-    - ``m``, ``v``: slices of Adam's moments of the model columns (dim+1 each)
-    - ``step``: index of the per-row Adam step count (a float, it merges with the row)
+    - ``m``, ``v``: slices of the optimiser's moments: per model column, per row (one column)
+      or none (an empty slice); row-wise Adagrad's accumulator is its ``v``
+    - ``step``: index of the per-row step count (a float, it merges with the row): Adam's bias
+      correction, and for every optimiser what merge.sparse_rule = matched reads
+    - ``states``: slice of every column after the model's
+
+    Widths, c = dim + 1: adam 3c + 1 (1,552 bytes at dim 128), rowwise_adam 2c + 2 (1,040),
+    rowwise_adagrad c + 2 (524).
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, optimizer: "SparseOptimizer | str" = SparseOptimizer.ADAM) -> None:
         if dim < 1:
             raise ValueError(f"embedding dimension must be >= 1, got {dim}")
         self.dim = dim
-        self.model_width = dim + 1
-        self.width = 3 * (dim + 1) + 1
+        self.optimizer = SparseOptimizer(optimizer)
+        c = self.model_width = dim + 1
         self.w = slice(0, dim)
         self.w1 = dim
-        self.model = slice(0, dim + 1)
-        self.m = slice(dim + 1, 2 * (dim + 1))
-        self.v = slice(2 * (dim + 1), 3 * (dim + 1))
-        self.step = 3 * (dim + 1)
+        self.model = slice(0, c)
+        m_cols, v_cols = {SparseOptimizer.ADAM: (c, c), SparseOptimizer.ROWWISE_ADAM: (c, 1),
+                          SparseOptimizer.ROWWISE_ADAGRAD: (0, 1)}[self.optimizer]
+        self.m = slice(c, c + m_cols)
+        self.v = slice(c + m_cols, c + m_cols + v_cols)
+        self.step = c + m_cols + v_cols
+        self.width = self.step + 1
+        self.states = slice(c, self.width)
 
     @classmethod
-    def of_width(cls, width: int) -> "RowLayout":
-        """The layout whose rows are ``width`` columns wide (a ValueError if none is)."""
-        if width < 4 or (width - 1) % 3:
-            raise ValueError(f"a row of {width} columns is not [w (D) | w1 | m (D+1) | v (D+1) | step]")
-        return cls((width - 1) // 3 - 1)
+    def of_width(cls, width: int, optimizer: "SparseOptimizer | str" = SparseOptimizer.ADAM) -> "RowLayout":
+        """The ``optimizer``'s layout whose rows are ``width`` columns wide (a ValueError if none is)."""
+        optimizer = SparseOptimizer(optimizer)
+        extra = cls(1, optimizer).width - 2  # width = a * c + b: read a and b off two layouts
+        per_c = cls(2, optimizer).width - cls(1, optimizer).width
+        b = extra + 2 - 2 * per_c
+        if width < 2 * per_c + b or (width - b) % per_c:
+            raise ValueError(f"a row of {width} columns is not {cls(1, optimizer).columns('D')}")
+        return cls((width - b) // per_c - 1, optimizer)
+
+    def columns(self, dim: "int | str | None" = None) -> str:
+        """The columns of a row, as shards and docs spell them: ``w[16] w1[1] m[17] v[17] step[1]``."""
+        d = self.dim if dim is None else dim
+        c = self.model_width if dim is None else f"{dim}+1"
+        size = lambda s: c if s.stop - s.start == self.model_width else s.stop - s.start  # noqa: E731
+        parts = [f"w[{d}]", "w1[1]"]
+        parts += [f"{name}[{size(s)}]" for name, s in (("m", self.m), ("v", self.v)) if s.stop > s.start]
+        return " ".join(parts + ["step[1]"])
 
     @property
     def row_bytes(self) -> int:
         return 4 * self.width
 
     def __repr__(self) -> str:
-        return f"RowLayout(dim={self.dim}, width={self.width})"
+        return f"RowLayout(dim={self.dim}, optimizer={self.optimizer.value}, width={self.width})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RowLayout) and other.dim == self.dim
+        return isinstance(other, RowLayout) and (other.dim, other.optimizer) == (self.dim, self.optimizer)
 
     def __hash__(self) -> int:
-        return hash(self.dim)
+        return hash((self.dim, self.optimizer))
 
 
 def init_salt(seed: int) -> np.uint64:
@@ -263,23 +301,32 @@ def default_row(layout: RowLayout) -> np.ndarray:
     return row
 
 
+# The C macros' prefix of each optimiser's layout (hv_row.h), and its number in hv_row_layout.
+C_LAYOUTS = {SparseOptimizer.ADAM: "HV_ROW", SparseOptimizer.ROWWISE_ADAM: "HV_RWADAM",
+             SparseOptimizer.ROWWISE_ADAGRAD: "HV_RWADAGRAD"}
+
+
 def c_header() -> str:
-    """The row layout and the key constants as C, generated from this module: the file
+    """The row layouts and the key constants as C, generated from this module: the file
     ``hvctr/kernels/hv_row.h`` the kernels are compiled with (tests/unit/test_native_build.py
-    holds the two equal; the loaded library's layout is checked against RowLayout too), so C
+    holds the two equal; the loaded library's layouts are checked against RowLayout too), so C
     and Python cannot disagree. Offsets are in floats, for a row whose model part is
-    ``c = dim + 1`` columns wide."""
-    probe = RowLayout(1)  # offsets are linear in c: read them off one layout
-    c = probe.model_width
+    ``c = dim + 1`` columns wide: ``<prefix>_M``, ``_V``, ``_STEP``, ``_WIDTH`` for each
+    optimiser (``C_LAYOUTS``)."""
+    lines = []
+    for optimizer, prefix in C_LAYOUTS.items():
+        one, two = RowLayout(1, optimizer), RowLayout(2, optimizer)  # offsets are a * c + b: read them off two
+        for name, at in (("M", lambda lay: lay.m.start), ("V", lambda lay: lay.v.start),
+                         ("STEP", lambda lay: lay.step), ("WIDTH", lambda lay: lay.width)):
+            a = at(two) - at(one)
+            b = at(one) - a * one.model_width
+            lines.append(f"#define {prefix}_{name}(c) ({a} * (c){f' + {b}' if b else ''})\n")
     return (
         "/* generated by hvctr.formats.c_header(): do not edit; regenerate with\n"
         "   python -c 'import hvctr.formats as f; print(f.c_header(), end=\"\")' > hvctr/kernels/hv_row.h */\n"
         "#ifndef HV_ROW_H\n"
         "#define HV_ROW_H\n"
-        f"#define HV_ROW_M(c) ({probe.m.start // c} * (c))\n"
-        f"#define HV_ROW_V(c) ({probe.v.start // c} * (c))\n"
-        f"#define HV_ROW_STEP(c) ({probe.step // c} * (c))\n"
-        f"#define HV_ROW_WIDTH(c) ({(probe.width - 1) // c} * (c) + {(probe.width - 1) % c + 1})\n"
+        + "".join(lines) +
         f"#define HV_EMPTY_KEY 0x{int(EMPTY_KEY):X}ULL\n"
         "#endif\n"
     )

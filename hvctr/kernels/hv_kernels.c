@@ -29,16 +29,21 @@
 #endif
 
 /* What the loader checks before it binds anything: the sources this library was built from
-   (sha256 of hv_kernels.c, a NUL, hv_row.h; setup.py passes it) and the row layout it was
-   compiled with, out = [M, V, STEP, WIDTH] offsets for a row of model width c. */
+   (sha256 of hv_kernels.c, a NUL, hv_row.h; setup.py passes it) and the row layouts it was
+   compiled with, out = [M, V, STEP, WIDTH] offsets for a row of model width c, for the layout
+   `kind` (hvctr.formats.C_LAYOUTS' order: 0 Adam, 1 row-wise Adam, 2 row-wise Adagrad). */
 const char *hv_source_sha256(void) { return HV_SOURCE_SHA256; }
 
-void hv_row_layout(int64_t c, int64_t *out)
+void hv_row_layout(int64_t kind, int64_t c, int64_t *out)
 {
-    out[0] = HV_ROW_M(c);
-    out[1] = HV_ROW_V(c);
-    out[2] = HV_ROW_STEP(c);
-    out[3] = HV_ROW_WIDTH(c);
+    if (kind == 1) {
+        out[0] = HV_RWADAM_M(c); out[1] = HV_RWADAM_V(c); out[2] = HV_RWADAM_STEP(c); out[3] = HV_RWADAM_WIDTH(c);
+    } else if (kind == 2) {
+        out[0] = HV_RWADAGRAD_M(c); out[1] = HV_RWADAGRAD_V(c); out[2] = HV_RWADAGRAD_STEP(c);
+        out[3] = HV_RWADAGRAD_WIDTH(c);
+    } else {
+        out[0] = HV_ROW_M(c); out[1] = HV_ROW_V(c); out[2] = HV_ROW_STEP(c); out[3] = HV_ROW_WIDTH(c);
+    }
 }
 
 uint64_t hv_empty_key(void) { return HV_EMPTY_KEY; }
@@ -76,6 +81,60 @@ void hv_sparse_adam(float *rows, int64_t width, const int64_t *idx, int64_t n,
             v[j] = vj;
             p[j] = p[j] - (step_size * mj) / (sqrtf(vj) / bc2_sqrt + eps);
         }
+    }
+}
+
+/* The mean of g[0:c]^2, summed in order in double (each square is exact there). */
+static inline float mean_square(const float *g, int64_t c)
+{
+    double sq = 0.0;
+    for (int64_t j = 0; j < c; ++j) sq += (double)g[j] * (double)g[j];
+    return (float)(sq / (double)c);
+}
+
+/* Row-wise Adam on rows[idx[i]], i < n (fbgemm's PARTIAL_ROWWISE_ADAM). Row: [p (c) | m (c) |
+   v (1) | step (1)]: m per column as Adam's, one v a row from the row's mean squared gradient,
+   Adam's bias corrections with the per-row step. */
+void hv_sparse_rowwise_adam(float *rows, int64_t width, const int64_t *idx, int64_t n,
+                            const float *grad, int64_t c, double lr, double beta1, double beta2, float eps)
+{
+    const float w1 = (float)(1.0 - beta1), b2 = (float)beta2, w2 = (float)(1.0 - beta2);
+    for (int64_t i = 0; i < n; ++i) {
+        float *p = rows + idx[i] * width, *m = p + HV_RWADAM_M(c), *v = p + HV_RWADAM_V(c);
+        float *st = p + HV_RWADAM_STEP(c);
+        const float *g = grad + i * c;
+        if (i + AHEAD < n) prefetch_row(rows + idx[i + AHEAD] * width, width, 1);
+        const float step = *st + 1.0f;
+        *st = step;
+        const float step_size = (float)(lr / (1.0 - pow(beta1, (double)step)));
+        const float bc2_sqrt = (float)sqrt(1.0 - pow(beta2, (double)step));
+        const float vr = *v * b2 + w2 * mean_square(g, c);
+        *v = vr;
+        const float denom = sqrtf(vr) / bc2_sqrt + eps;
+        for (int64_t j = 0; j < c; ++j) {
+            const float mj = m[j] + w1 * (g[j] - m[j]);
+            m[j] = mj;
+            p[j] = p[j] - (step_size * mj) / denom;
+        }
+    }
+}
+
+/* Row-wise Adagrad on rows[idx[i]], i < n (fbgemm's EXACT_ROWWISE_ADAGRAD, TorchRec's fused
+   optimiser). Row: [p (c) | acc (1) | step (1)]: acc += the row's mean squared gradient,
+   p -= lr * g / (sqrt(acc) + eps); the step only counts (merge.sparse_rule = matched reads it). */
+void hv_sparse_rowwise_adagrad(float *rows, int64_t width, const int64_t *idx, int64_t n,
+                               const float *grad, int64_t c, double lr, float eps)
+{
+    const float lr_f = (float)lr;
+    for (int64_t i = 0; i < n; ++i) {
+        float *p = rows + idx[i] * width, *acc = p + HV_RWADAGRAD_V(c), *st = p + HV_RWADAGRAD_STEP(c);
+        const float *g = grad + i * c;
+        if (i + AHEAD < n) prefetch_row(rows + idx[i + AHEAD] * width, width, 1);
+        *st = *st + 1.0f;
+        const float a = *acc + mean_square(g, c);
+        *acc = a;
+        const float denom = sqrtf(a) + eps;
+        for (int64_t j = 0; j < c; ++j) p[j] = p[j] - (lr_f * g[j]) / denom;
     }
 }
 

@@ -6,5 +6,13 @@
 #define HV_ROW_V(c) (2 * (c))
 #define HV_ROW_STEP(c) (3 * (c))
 #define HV_ROW_WIDTH(c) (3 * (c) + 1)
+#define HV_RWADAM_M(c) (1 * (c))
+#define HV_RWADAM_V(c) (2 * (c))
+#define HV_RWADAM_STEP(c) (2 * (c) + 1)
+#define HV_RWADAM_WIDTH(c) (2 * (c) + 2)
+#define HV_RWADAGRAD_M(c) (1 * (c))
+#define HV_RWADAGRAD_V(c) (1 * (c))
+#define HV_RWADAGRAD_STEP(c) (1 * (c) + 1)
+#define HV_RWADAGRAD_WIDTH(c) (1 * (c) + 2)
 #define HV_EMPTY_KEY 0xFFFFFFFFFFFFFFFFULL
 #endif

@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 
 from hvctr.log import get_logger
-from hvctr.formats import EMPTY_KEY, RowLayout
+from hvctr.formats import C_LAYOUTS, EMPTY_KEY, RowLayout
 
 log = get_logger(__name__)
 
@@ -78,9 +78,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, u64, ptr, f32, f64 = ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
     sigs = {
         "hv_source_sha256": ([], ctypes.c_char_p),
-        "hv_row_layout": ([i64, ptr], None),
+        "hv_row_layout": ([i64, i64, ptr], None),
         "hv_empty_key": ([], ctypes.c_uint64),
         "hv_sparse_adam": ([ptr, i64, ptr, i64, ptr, i64, f64, f64, f64, f32], None),
+        "hv_sparse_rowwise_adam": ([ptr, i64, ptr, i64, ptr, i64, f64, f64, f64, f32], None),
+        "hv_sparse_rowwise_adagrad": ([ptr, i64, ptr, i64, ptr, i64, f64, f32], None),
         "hv_sum_rows": ([ptr, i64, ptr, i64, ptr], None),
         "hv_gather_rows": ([ptr, i64, ptr, i64, i64, ptr], None),
         "hv_batch_unique": ([ptr, i64, i64, ptr, ptr, ptr, ptr], i64),
@@ -113,14 +115,16 @@ def _check(lib: ctypes.CDLL, path: Path) -> None:
         raise NativeKernelsError(f"{path} was built from other sources than the {' and '.join(SOURCES)} beside it "
                                  f"(a stale build): {REBUILD_HINT}, or {OFF_HINT}")
     out = (ctypes.c_int64 * 4)()
-    for dim in (1, 4, 16, 127):
-        layout = RowLayout(dim)
-        lib.hv_row_layout(layout.model_width, out)
-        want = [layout.m.start, layout.v.start, layout.step, layout.width]
-        if list(out) != want:
-            raise NativeKernelsError(f"{path}: the row layout it was compiled with ({list(out)} for dim {dim}) is not "
-                                     f"hvctr.formats.RowLayout's ({want}): regenerate hvctr/kernels/hv_row.h from "
-                                     f"hvctr.formats.c_header() and {REBUILD_HINT}, or {OFF_HINT}")
+    for kind, optimizer in enumerate(C_LAYOUTS):
+        for dim in (1, 4, 16, 127):
+            layout = RowLayout(dim, optimizer)
+            lib.hv_row_layout(kind, layout.model_width, out)
+            want = [layout.m.start, layout.v.start, layout.step, layout.width]
+            if list(out) != want:
+                raise NativeKernelsError(
+                    f"{path}: the {optimizer.value} row layout it was compiled with ({list(out)} for dim {dim}) is "
+                    f"not hvctr.formats.RowLayout's ({want}): regenerate hvctr/kernels/hv_row.h from "
+                    f"hvctr.formats.c_header() and {REBUILD_HINT}, or {OFF_HINT}")
     if lib.hv_empty_key() != int(EMPTY_KEY):
         raise NativeKernelsError(f"{path}: HV_EMPTY_KEY differs from hvctr.formats.EMPTY_KEY: {REBUILD_HINT}")
 

@@ -124,6 +124,12 @@ class CheckpointReader:
         with h5py.File(self.rank_path(0), "r") as f:
             return int(f["rows"].shape[1])
 
+    def row_attrs(self) -> dict[str, str]:
+        """What the rank files say of their rows (train.sparse_optimizer, the columns): a reshard
+        copies it; a checkpoint from before row-wise optimisers says nothing (Adam's rows)."""
+        with h5py.File(self.rank_path(0), "r") as f:
+            return {name: str(f.attrs[name]) for name in ("sparse_optimizer", "row_columns") if name in f.attrs}
+
     def copies(self, rank: int, columns: slice = slice(None),
                chunk_rows: int = CHUNK_ROWS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(keys, rows[:, columns]) of every copy of ``rank``'s rows along the chain: the base's,

@@ -165,7 +165,7 @@ def _rank_state(reader: CheckpointReader, rank: int, world_size: int, old: np.nd
     """New rank ``rank``'s file attributes and arrays besides its rows: (attrs, {name: (shape,
     dtype)}, {name: array})."""
     attrs = {"format_version": FORMAT_VERSION, "seq": reader.seq, "kind": "base", "rank": rank,
-             "world_size": world_size, "pass_index": reader.pass_index(0)}
+             "world_size": world_size, "pass_index": reader.pass_index(0), **reader.row_attrs()}
     arrays = {f"dense/{name}": t for name, t in reader.dense(rank if rank < reader.world_size else 0).items()}
     sources = np.unique(old[new == rank])  # the source ranks whose buckets this rank receives
     sketches = [s for s in (reader.admission(int(o)) for o in sources) if s is not None]

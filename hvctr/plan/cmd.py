@@ -148,6 +148,7 @@ def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows:
                max_load_factor=s.max_load_factor, model=cfg.model, pass_rows=pass_rows, prefetch=cfg.data.prefetch,
                # as the exchange decides: no pulling ahead where keys are admitted by count or rows expire
                pull_ahead=s.pull_ahead and s.admit_after <= 1 and s.ttl_passes == 0, push_behind=s.push_behind,
+               sparse_optimizer=cfg.train.sparse_optimizer,
                write_behind=s.write_behind)
 
 
@@ -239,7 +240,8 @@ def format_plan(p: Plan, rates_from: str) -> str:
     lines = [
         f"hvctr plan: {j.nodes} node(s) x {j.ranks_per_node} ranks = {f['world_size']} ranks on {n.name} "
         f"({n.cpus} cpus, {n.gpus} GPUs per node, {n.threads_per_rank} thread(s) per rank)",
-        f"  table {j.keys:,} keys, dim {j.dim}: a row is {f['row_bytes']} B with Adam's m, v and step; "
+        f"  table {j.keys:,} keys, dim {j.dim}: a row is {f['row_bytes']} B "
+        f"({j.layout.columns()}, train.sparse_optimizer = {j.sparse_optimizer.value}); "
         f"model {_model_text(j.model)}, {f['dense_params']:,} dense parameters",
         f"  batch {j.batch_size_per_rank:,} per rank, {mode}{fp16}; keys: {p.curve.source}",
         f"  rates: {rates_from}; entry measured with {p.rates.ranks_per_node} rank(s) per node",

@@ -55,7 +55,7 @@ from hvctr.plan.gpus import GpuRates, gpu_rates
 from hvctr.plan.keyfreq import KeyCurve
 from hvctr.plan.rates import Rates
 from hvctr.storage.cache import entries_for_budget
-from hvctr.formats import RowLayout
+from hvctr.formats import RowLayout, SparseOptimizer
 from hvctr.storage.shard import (INDEX_DTYPE, META_DTYPE, PENDING_PER_BLOCK, SLOTS_PER_BLOCK, memory_bytes,
                                  num_slots_for, pending_bytes_for, pending_capacity, recent_positions_for)
 
@@ -113,6 +113,12 @@ class Job:
     # tenth of the shard's rows, as the trainer decides
     push_behind: PushBehind = PushBehind.AUTO
     write_behind: WriteBehind = WriteBehind.AUTO  # storage.write_behind (auto: on where the node's memory is a limit)
+    sparse_optimizer: SparseOptimizer = SparseOptimizer.ADAM  # train.sparse_optimizer: the rows' states
+
+    @property
+    def layout(self) -> RowLayout:
+        """A row's columns: storage.dim's model and train.sparse_optimizer's states."""
+        return RowLayout(self.dim, self.sparse_optimizer)
 
     @property
     def world_size(self) -> int:
@@ -218,10 +224,11 @@ def rows_per_rank(keys: int, world_size: int) -> int:
     return math.ceil(keys * math.ceil(NUM_BUCKETS / world_size) / NUM_BUCKETS)
 
 
-def shard_bytes(capacity: int, dim: int, max_load_factor: float) -> dict[str, int]:
+def shard_bytes(capacity: int, dim: int, max_load_factor: float,
+                optimizer: SparseOptimizer = SparseOptimizer.ADAM) -> dict[str, int]:
     """Bytes of one SSD shard file (hvctr.storage.shard), allocated in full at creation."""
     index = num_slots_for(capacity, max_load_factor) * INDEX_DTYPE.itemsize
-    rows = capacity * RowLayout(dim).row_bytes
+    rows = capacity * RowLayout(dim, optimizer).row_bytes
     meta = capacity * META_DTYPE.itemsize
     return {"index": index, "rows": rows, "meta": meta, "total": index + rows + meta}
 
@@ -251,7 +258,7 @@ def shared_row_step_bytes(job: "Job", step_rows: float) -> int:
     W = job.world_size
     touched = min(float(job.shared_rows), float(step_rows)) * (W - 1) / W
     wire = 2 if job.shared_rows_bf16 else 4
-    return int(touched * (2 * wire * RowLayout(job.dim).model_width + 8))
+    return int(touched * (2 * wire * job.layout.model_width + 8))
 
 
 def dense_payload_bytes(params: int, mode: MergeMode, states: MergeStates, compression: Compression) -> int:
@@ -267,11 +274,11 @@ def dense_payload_bytes(params: int, mode: MergeMode, states: MergeStates, compr
 
 
 def sparse_bytes_per_window(u: float, world_size: int, dim: int, mode: MergeMode,
-                            prefetch: bool) -> dict[str, float]:
+                            prefetch: bool, optimizer: SparseOptimizer = SparseOptimizer.ADAM) -> dict[str, float]:
     """Bytes a rank sends to other ranks per window: pull (keys out, unless the warm sent them;
     rows answered), warm (the keys), push (k-step: rows only, the owners kept the window's keys
     from its warm or pull, hvctr.storage.exchange.WindowExchange; sync: keys and gradients)."""
-    row = RowLayout(dim).row_bytes
+    row = RowLayout(dim, optimizer).row_bytes
     f = (world_size - 1) / world_size
     out = {"pull": u * f * ((0 if prefetch else KEY_BYTES) + row), "warm": u * f * KEY_BYTES if prefetch else 0.0}
     if mode is MergeMode.SYNC:
@@ -441,7 +448,7 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     """Seconds of each phase of one window on one rank (see the module docstring)."""
     r, W, k, B, D = c.r, job.world_size, job.k, job.batch_size_per_rank, job.dim
     F = job.model.num_fields
-    row = RowLayout(D).row_bytes
+    row = job.layout.row_bytes
     f = (W - 1) / W
     u, u_b = curve(k * B), curve(B)
     u_o = curve(W * k * B) / W
@@ -498,7 +505,7 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
     if shared:  # two alltoalls every step: gradients to the owners, values back
         dense_merge += k * 2 * c.alltoall(shared / 2)
     if job.mode is MergeMode.SYNC:
-        grad_bytes = KEY_BYTES + 4 * RowLayout(D).model_width
+        grad_bytes = KEY_BYTES + 4 * job.layout.model_width
         merge = (dense_merge + 2 * c.unique(u) + c.copy(u * grad_bytes) + c.alltoall(u * f * grad_bytes)
                  + c.cpu * u_o * (1 / r.cache_rows_per_s + 1 / r.sparse_rows_per_s + 1 / r.cache_write_rows_per_s)
                  + shard_write)
@@ -541,11 +548,11 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         raise ValueError(f"{job.nodes} nodes, but the rates have no network figure (nic_bytes_per_s = 0): "
                          "measured on one node; give the network's bandwidth")
     W, k, B, D = job.world_size, job.k, job.batch_size_per_rank, job.dim
-    layout = RowLayout(D)
+    layout = job.layout
     notes: list[str] = list(node.notes)
     table_keys = min(job.keys, round(curve(job.pass_rows))) if job.pass_rows else job.keys
     capacity = rows_per_rank(job.keys, W)
-    shard = shard_bytes(capacity, D, job.max_load_factor)
+    shard = shard_bytes(capacity, D, job.max_load_factor, job.sparse_optimizer)
     cache_entries = entries_for_budget(layout.width, job.cpu_cache_bytes)
     keys_per_rank = table_keys / W
     hit = _hit_rate(job, curve, cache_entries, keys_per_rank)
@@ -595,7 +602,8 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
         phases["prefetch"] = t["prep"]
     if job.prefetch and not spare_core:
         notes.append("no spare core per rank for the prefetch thread: its time adds to the step")
-    sparse = sparse_bytes_per_window(u if job.mode is MergeMode.KSTEP else u_b, W, D, job.mode, job.prefetch)
+    sparse = sparse_bytes_per_window(u if job.mode is MergeMode.KSTEP else u_b, W, D, job.mode, job.prefetch,
+                                     job.sparse_optimizer)
     payload = dense_payload_bytes(P, job.mode, job.states, job.compression) * job.dense_merges(k)
     if job.powersgd_rank:
         payload = k * sum(powersgd_step_bytes(job.model, D, job.powersgd_rank)) + 8
@@ -672,7 +680,7 @@ def _storage_bound_note(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve,
     ms = lambda sec: f"{1e3 * sec / k:,.1f} ms"
     parts = [f"the SSD bounds the step: its reads and writes take {ms(shard)} a step against {ms(t['compute'])} "
              f"of compute ({io.where})"]
-    width = RowLayout(job.dim).width
+    width = job.layout.width
     cache = job.cpu_cache_bytes
     while cache < 2 ** 50:
         cache *= 2
@@ -727,7 +735,7 @@ def _host_bytes_per_rank(job: Job, u: float, params: int, behind: float = 0.0) -
     """Cache budget + working set and its messages (and the next window's, pulled ahead, and the
     ``behind`` rows a push left behind) + two windows of data + dense state + the shard's key
     filter, waiting index entries and recent positions + base."""
-    row = RowLayout(job.dim).row_bytes
+    row = job.layout.row_bytes
     window_data = 2 * job.k * job.batch_size_per_rank * (SAMPLE_BYTES + 8 * job.model.num_fields)
     shard = memory_bytes(rows_per_rank(job.keys, job.world_size), job.max_load_factor, job.cpu_cache_bytes)
     ahead = u * row if job.prefetch and job.pull_ahead else 0.0  # storage.pull_ahead: the next window's rows
@@ -740,7 +748,7 @@ def _device_bytes(job: Job, u: float, params: int) -> float:
     Adam's m and v + activations and their gradients (float32)."""
     B, D, F = job.batch_size_per_rank, job.dim, job.model.num_fields
     act = B * activations_per_sample(job.model, D)
-    layout = RowLayout(D)
+    layout = job.layout
     return u * layout.row_bytes + 2 * B * F * layout.model_width * 4 + 4 * params * 4 + 2 * act * 4
 
 

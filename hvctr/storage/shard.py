@@ -10,8 +10,9 @@ Layout (every dataset contiguous, uncompressed, allocated at creation and 4 KiB 
                                            key of each row, the pass it was last written in
                                            (TTL) and the checkpoint generation (deltas)
     /state         {n_rows, generation, pass_index, clean} i8 [1]
-    attributes     format_version, dim, width, capacity, num_slots, slots_per_block,
-                   world_size, rank, slot_seed, init_seed, init_scale, max_load_factor
+    attributes     format_version, dim, width, sparse_optimizer (the rows' layout; absent: adam),
+                   row_columns, capacity, num_slots, slots_per_block, world_size, rank,
+                   slot_seed, init_seed, init_scale, max_load_factor
 
 The slot of a key is ``mix64(key ^ slot_seed) % S``, then linear probing. An index block of
 256 entries fills one 4 KiB page, so a lookup is one page read (two when the probe run
@@ -60,7 +61,7 @@ from typing import Iterator
 import h5py
 import numpy as np
 
-from hvctr.formats import EMPTY_KEY, NUM_BUCKETS, RowLayout, mix64
+from hvctr.formats import EMPTY_KEY, NUM_BUCKETS, RowLayout, SparseOptimizer, mix64
 from hvctr.formats import safefile
 from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
 from hvctr.formats.space import check_free_space, remedy
@@ -374,7 +375,15 @@ class Shard:
             if int(a.get("format_version", -1)) != FORMAT_VERSION:
                 raise ValueError(f"shard file {self.path}: format_version {a.get('format_version')!r}, "
                                  f"this hvctr reads {FORMAT_VERSION}")
-            self.layout = RowLayout(int(a["dim"]))
+            # no attribute: a shard from before row-wise optimisers, Adam's rows
+            optimizer = str(a.get("sparse_optimizer", SparseOptimizer.ADAM.value))
+            if optimizer not in {o.value for o in SparseOptimizer}:
+                raise ValueError(f"shard file {self.path}: sparse_optimizer {optimizer!r} is not one this hvctr "
+                                 f"knows ({', '.join(o.value for o in SparseOptimizer)})")
+            self.layout = RowLayout(int(a["dim"]), optimizer)
+            if int(a["width"]) != self.layout.width:
+                raise ValueError(f"shard file {self.path}: rows of width {int(a['width'])}, not {self.layout}'s "
+                                 f"{self.layout.width}: the file is damaged")
             self.capacity = int(a["capacity"])
             self.num_slots = int(a["num_slots"])
             self.world_size = int(a["world_size"])
@@ -481,7 +490,7 @@ class Shard:
 
     @classmethod
     def create(cls, path: str | Path, *, dim: int, capacity: int, world_size: int, rank: int,
-               bucket_owner: np.ndarray, seed: int, init_scale: float,
+               optimizer: SparseOptimizer = SparseOptimizer.ADAM, bucket_owner: np.ndarray, seed: int, init_scale: float,
                max_load_factor: float, io: str = "pread", io_threads: int = diskio.DEFAULT_THREADS,
                write_behind: bool = True, recent_positions: int = 0, position_log: bool = False,
                pending_bytes: int | None = None) -> "Shard":
@@ -494,7 +503,7 @@ class Shard:
         write failed for lack of space and crashes at exit), never later in training.
         """
         path = str(path)
-        layout = RowLayout(dim)
+        layout = RowLayout(dim, optimizer)
         num_slots = num_slots_for(capacity, max_load_factor)
         bucket_owner = np.asarray(bucket_owner, dtype=np.int32)
         if bucket_owner.shape != (NUM_BUCKETS,):
@@ -510,12 +519,12 @@ class Shard:
                 a = f.attrs
                 a["format_version"] = FORMAT_VERSION
                 a["dim"], a["width"], a["capacity"] = dim, layout.width, capacity
+                a["sparse_optimizer"] = layout.optimizer.value
                 a["num_slots"], a["slots_per_block"] = num_slots, SLOTS_PER_BLOCK
                 a["world_size"], a["rank"] = world_size, rank
                 a["slot_seed"] = np.uint64(slot_seed_of(seed))
                 a["init_seed"], a["init_scale"], a["max_load_factor"] = seed, init_scale, max_load_factor
-                c = layout.model_width
-                a["row_columns"] = f"w[{layout.dim}] w1[1] m[{c}] v[{c}] step[1]"
+                a["row_columns"] = layout.columns()
                 f.create_dataset("bucket_owner", data=bucket_owner, track_times=False)
                 index = create_early(f, "index", (num_slots,), INDEX_DTYPE)
                 create_early(f, "rows", (capacity, layout.width), "<f4")

@@ -38,7 +38,7 @@ from hvctr.formats import default_bucket_owner, mix64, owner_of
 from hvctr.kernels import init_rows, unique_in_order
 from hvctr.kernels.diskio import IOStats
 from hvctr.storage.cache import RowCache
-from hvctr.formats import RowLayout, default_row
+from hvctr.formats import RowLayout, SparseOptimizer, default_row
 from hvctr.storage.position_log import Tag
 from hvctr.storage.shard import Shard, pending_bytes_for, recent_positions_for, strictly_increasing
 
@@ -133,12 +133,14 @@ class EmbeddingStore:
     ``EmbeddingStore(cfg, path, rank=0, world_size=1, bucket_owner=None, create=None)``:
     create None opens ``path`` if it exists, else creates it; True always creates a fresh
     shard; False requires it to exist. bucket_owner defaults to hvctr.formats' round robin.
+    ``optimizer`` (train.sparse_optimizer) fixes the rows' layout; an existing shard must have it.
     """
 
     def __init__(self, cfg: StorageConfig, path: str | Path, rank: int = 0, world_size: int = 1,
-                 bucket_owner: np.ndarray | None = None, create: bool | None = None) -> None:
+                 bucket_owner: np.ndarray | None = None, create: bool | None = None,
+                 optimizer: SparseOptimizer = SparseOptimizer.ADAM) -> None:
         self.cfg = cfg
-        self.layout = RowLayout(cfg.dim)
+        self.layout = RowLayout(cfg.dim, optimizer)
         self.path = str(path)
         # storage.write_behind: auto flushes and drops the shard's writes under a memory limit only
         self.write_behind = (cfg.write_behind is WriteBehind.ON
@@ -151,7 +153,7 @@ class EmbeddingStore:
                 raise ValueError("storage.rows_per_rank = 0 (size from the data) must be decided before a shard "
                                  "is created (hvctr.train.preflight.size_shard)")
             owner = default_bucket_owner(world_size) if bucket_owner is None else bucket_owner
-            self.shard = Shard.create(self.path, dim=cfg.dim, capacity=cfg.rows_per_rank,
+            self.shard = Shard.create(self.path, dim=cfg.dim, optimizer=optimizer, capacity=cfg.rows_per_rank,
                                       world_size=world_size, rank=rank, bucket_owner=owner, seed=cfg.seed,
                                       init_scale=cfg.init_scale, max_load_factor=cfg.max_load_factor,
                                       **self._io())
@@ -182,6 +184,7 @@ class EmbeddingStore:
     def _check_matches(self, rank: int, world_size: int) -> None:
         s = self.shard
         for key, have, want in (("storage.dim", s.layout.dim, self.cfg.dim), ("storage.seed", s.init_seed, self.cfg.seed),
+                                ("train.sparse_optimizer", s.layout.optimizer.value, self.layout.optimizer.value),
                                 ("rank", s.rank, rank), ("world_size", s.world_size, world_size)):
             if have != want:
                 s.close()
@@ -632,7 +635,7 @@ class EmbeddingStore:
             self.flush()
             self.cache.clear()
             old, tmp = self.shard, self.path + ".compact"
-            new = Shard.create(tmp, dim=self.cfg.dim, capacity=old.capacity, world_size=old.world_size,
+            new = Shard.create(tmp, dim=self.cfg.dim, optimizer=self.layout.optimizer, capacity=old.capacity, world_size=old.world_size,
                                rank=old.rank, bucket_owner=old.bucket_owner, seed=self.cfg.seed,
                                init_scale=old.init_scale, max_load_factor=self.cfg.max_load_factor, **self._io())
             new.pass_index, new.generation = old.pass_index, old.generation

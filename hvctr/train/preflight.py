@@ -163,7 +163,7 @@ def first_checkpoint_bytes(cfg: Config, size: int) -> tuple[int, int]:
     if steps:
         rows = min(rows, min(steps) * cfg.data.batch_size_per_rank * cfg.model.num_fields)
     dense = 3 * 4 * dense_params(cfg.model, cfg.storage.dim)
-    return dense, dense + rows * (8 + RowLayout(cfg.storage.dim).row_bytes + 4)
+    return dense, dense + rows * (8 + RowLayout(cfg.storage.dim, cfg.train.sparse_optimizer).row_bytes + 4)
 
 
 def check_directories(cfg: Config, rank: int, size: int, run_dir: Path, env=None) -> list[str]:
@@ -186,7 +186,8 @@ def check_directories(cfg: Config, rank: int, size: int, run_dir: Path, env=None
     shard_dir, source, _ = working_shard_place(cfg, run_dir, env=env)
     shard_key = "config key 'storage.shard_dir'" + ("" if cfg.storage.shard_dir else f" (empty: working shards in {source})")
     local_ranks = launcher_local_size(env)[0] or 1
-    shard = local_ranks * shard_bytes(cfg.storage.rows_per_rank, cfg.storage.dim, cfg.storage.max_load_factor)["total"]
+    shard = local_ranks * shard_bytes(cfg.storage.rows_per_rank, cfg.storage.dim, cfg.storage.max_load_factor,
+                                      cfg.train.sparse_optimizer)["total"]
     places = [(shard_dir, shard_key, shard, shard,
                f"{local_ranks} working shard(s) of {cfg.storage.rows_per_rank:,} rows (storage.rows_per_rank)")]
     if rank == 0:
@@ -358,7 +359,7 @@ def rank_memory_beside_cache(cfg: Config) -> int:
     copies = WINDOW_ROW_COPIES + (2 if ahead else 0)  # the next window's, both sides
     if ahead and cfg.storage.push_behind is not PushBehind.OFF and cfg.merge.mode is MergeMode.KSTEP:
         copies += 1  # the rows a push left behind, until the prefetch thread sends them
-    return RANK_BASE_MEMORY + copies * RowLayout(cfg.storage.dim).row_bytes * rows + recent
+    return RANK_BASE_MEMORY + copies * RowLayout(cfg.storage.dim, cfg.train.sparse_optimizer).row_bytes * rows + recent
 
 
 def fit_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> tuple[Config, list[str]]:

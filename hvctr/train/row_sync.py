@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hvctr.formats import RowLayout
-from hvctr.optim import sparse_adam_step
+from hvctr.optim import sparse_step
 from hvctr.storage.shared_rows import SharedRows
 
 if TYPE_CHECKING:
@@ -36,12 +36,14 @@ class SharedRowSync:
     (distinct; the positions ``split_step`` is then given gradients for). Every rank builds one
     per window (a collective), and calls ``split_step`` at each of the window's steps."""
 
-    def __init__(self, comm: "Comm", shared: SharedRows, rows: torch.Tensor,
+    def __init__(self, comm: "Comm", shared: SharedRows, rows: torch.Tensor, layout: RowLayout,
                  touched: Sequence[np.ndarray | torch.Tensor], name: str, bf16: bool = False) -> None:
         self.comm = comm
         self.bf16 = bool(bf16)  # merge.shared_rows_bf16: gradients and values as bfloat16 on the wire
         self.float_bytes = 2 if self.bf16 else 4
-        self.layout = RowLayout.of_width(int(rows.shape[1]))
+        if int(rows.shape[1]) != layout.width:
+            raise ValueError(f"{name}: rows of {int(rows.shape[1])} columns, {layout} has {layout.width}")
+        self.layout = layout  # train.sparse_optimizer's: the owner steps its rows with it
         self.bytes_sent = self.bytes_received = 0
         world, me = comm.size, comm.rank
         number_at = np.full(int(rows.shape[0]), -1, dtype=np.int64)  # working-set position -> number
@@ -123,8 +125,8 @@ class SharedRowSync:
             acc = np.zeros((self.owned.shape[0], c), dtype=np.float32)
             np.add.at(acc, local, got.numpy())
             stepped = np.unique(local)
-            sparse_adam_step(self.owned, torch.from_numpy(stepped), torch.from_numpy(acc[stepped]),
-                             lr, beta1, beta2, eps)
+            sparse_step(self.layout, self.owned, torch.from_numpy(stepped), torch.from_numpy(acc[stepped]),
+                        lr, beta1, beta2, eps)
         if step + 1 < len(self.numbers):
             need = self.incoming[step + 1]
             m = self.layout.model

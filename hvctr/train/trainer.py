@@ -42,8 +42,8 @@ from hvctr.heap import HeapTrimmer, trim_wanted
 from hvctr.log import get_logger
 from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
-from hvctr.optim import (adam_step_count, apply_adam_to_rows, gather_embeddings, get_adam_states, set_adam_states,
-                         sparse_adam_step, sum_embedding_grads)
+from hvctr.optim import (adam_step_count, apply_step_to_rows, gather_embeddings, get_adam_states, set_adam_states,
+                         sparse_step, sum_embedding_grads)
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.train.feed import TrainData
 from hvctr.train.lr import LearningRates
@@ -82,7 +82,8 @@ class Trainer:
             log.info(sizing)
         self.shard_dir, self.shard_dir_source, self.shard_scratch = working_shard_place(cfg, run_dir, ssd_dir)
         self.dim = cfg.storage.dim
-        self.layout = RowLayout(self.dim)  # the columns of a row: what evaluation reads of it
+        # the columns of a row (train.sparse_optimizer's states): what the sparse step and evaluation read
+        self.layout = RowLayout(self.dim, cfg.train.sparse_optimizer)
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
         t = cfg.train
         # merge.lr_scaling, merge.adam_scaling: the rates of each step and Adam's constants at W ranks
@@ -132,7 +133,8 @@ class Trainer:
                 raise ValueError(f"cannot create the working-shard directory {self.shard_dir} ({where}): "
                                  f"{e.strerror or e}") from None
             return EmbeddingStore(self.cfg.storage, shard_path(self.shard_dir, self.comm.rank), rank=self.comm.rank,
-                                  world_size=self.comm.size, bucket_owner=owner, create=True)
+                                  world_size=self.comm.size, bucket_owner=owner, create=True,
+                                  optimizer=self.cfg.train.sparse_optimizer)
 
         # comm: allgather of shard-creation errors (a full disk is one rank's: no rank waits alone)
         store = self.comm.agree(create, name="shard.create")
@@ -364,7 +366,7 @@ class Trainer:
         if shared is None or shared.total == 0:  # the same on every rank: the allgathered total
             return None
         touched = [w.batch_unique[i][0] for i in range(w.num_batches)]  # each step's distinct positions
-        sync = SharedRowSync(self.comm, shared, rows, touched, name=f"window{w.index}.shared",
+        sync = SharedRowSync(self.comm, shared, rows, self.layout, touched, name=f"window{w.index}.shared",
                              bf16=self.merge_cfg.shared_rows_bf16)
         self._shared_rows_synced += shared.total
         return sync
@@ -376,7 +378,7 @@ class Trainer:
         if shared is not None:  # comm: the shared rows' gradients to their owners, values back (SharedRowSync)
             idx, g = shared.split_step(rows, i, idx, g, lr, self.lr.beta1, self.lr.beta2, self.lr.eps,
                                        name=f"window{w.index}.shared{i}")
-        sparse_adam_step(rows, idx, g, lr, self.lr.beta1, self.lr.beta2, self.lr.eps)
+        sparse_step(self.layout, rows, idx, g, lr, self.lr.beta1, self.lr.beta2, self.lr.eps)
         if getattr(self.reducer, "powersgd", None) is not None:
             self.reducer.average_gradients(name=f"window{w.index}.step{i}")  # comm: two grouped allreduces
         self._set_dense_lr(step)
@@ -403,8 +405,8 @@ class Trainer:
         with self.meter.phase("merge"):
             t0 = time.perf_counter()
             flags = self.reducer.average(self._flags(), name=f"window{w.index}.grads")
-            apply = functools.partial(apply_adam_to_rows, lr=self.lr.sparse(self.state.step), beta1=self.lr.beta1,
-                                      beta2=self.lr.beta2, eps=self.lr.eps)
+            apply = functools.partial(apply_step_to_rows, self.layout, lr=self.lr.sparse(self.state.step),
+                                      beta1=self.lr.beta1, beta2=self.lr.beta2, eps=self.lr.eps)
             touched = self._touched_keys(w, idx.cpu().numpy())
             self.table.push_gradients(touched, g, apply, name=f"window{w.index}.sgrads")
             self._merge_ms = 1e3 * (time.perf_counter() - t0)

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from hvctr.cli import main
+from hvctr.formats import RowLayout
 from tests.conftest import VENV_PY
 from tests.e2e.helpers import SMALL, final_model, make_dataset, train
 
@@ -88,11 +89,14 @@ def evaluation(run_dir: Path) -> dict:
 
 @pytest.mark.parametrize("np_,mode", [(2, "kstep"), (3, "kstep"), (3, "sync"), (3, "kstep-dense2"), (3, "kstep-matched"),
                                       (3, "kstep-powersgd"), (3, "kstep-shared"),
-                                      (3, "kstep-shared-fp32")])
+                                      (3, "kstep-shared-fp32"), (3, "kstep-rowwise_adam"),
+                                      (3, "sync-rowwise_adagrad")])
 def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
     flags = [*SAME, f"--merge.mode={mode.split('-')[0]}", "--merge.every_k_steps=4"]
-    if mode == "sync":
+    if mode.startswith("sync"):
         flags[1] = "--train.max_steps=12"
+    if "rowwise" in mode:  # the rows keep the row-wise states, which the owners average (kstep) or step (sync)
+        flags += [f"--train.sparse_optimizer={mode.split('-')[1]}"]
     if mode == "kstep-dense2":  # the dense model also merges inside each window, its moves in fp16
         flags += ["--merge.dense_every_steps=2", "--merge.compression=fp16"]
     if mode == "kstep-matched":  # the owners' rule of 16 ranks and more (merge.sparse_rule = auto), forced at 3
@@ -113,7 +117,12 @@ def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
     summary = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert summary["simulate"]["ranks"] == np_ and summary["steps"] == int(flags[1].split("=")[1])
     assert sorted(p.name for p in (tmp_path / "sim" / "logs").iterdir()) == [f"rank-{i:05d}.log" for i in range(np_)]
-    if mode != "sync":  # mpirun's pushes left rows behind for the prefetch thread (storage.push_behind), the simulation's not
+    if "rowwise" in mode:
+        optimizer = mode.split("-")[1]
+        _, rows = final_model(tmp_path / "mpi")
+        assert {r.size for r in rows.values()} == {RowLayout(8, optimizer).width}
+        assert all(r[-1] > 0 for r in rows.values())  # every stored row stepped (its step column)
+    if not mode.startswith("sync"):  # mpirun's pushes left rows behind for the prefetch thread (storage.push_behind), the simulation's not
         behind = [json.loads((tmp_path / d / "summary.json").read_text())["exchange"].get("push_behind_rows", 0)
                   for d in ("mpi", "sim")]
         assert behind[0] > 0 and behind[1] == 0, behind

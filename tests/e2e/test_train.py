@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import h5py
 import pytest
 
 from tests.e2e.helpers import assert_same_model, kill_after_checkpoint, make_dataset, train
@@ -103,6 +104,26 @@ def test_sync_mode_runs_and_learns(dataset, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["dense_merge_calls"] == summary["steps"]
     assert summary["eval"]["auc"] > 0.6
+
+
+def test_rowwise_adagrad_learns_and_its_run_resumes_with_it_only(dataset, tmp_path):
+    """train.sparse_optimizer = rowwise_adagrad: D + 3 floats a row in the working shards and the
+    checkpoints; a resume with another optimiser is refused before anything is written."""
+    run = tmp_path / "adagrad"
+    flags = ["--train.sparse_optimizer=rowwise_adagrad", "--train.sparse_lr=0.05", "--train.max_steps=32"]
+    train(2, run, dataset, *flags)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["eval"]["auc"] > 0.6, summary["eval"]
+    ck = sorted((run / "checkpoints").glob("ckpt-*/rank-00000.h5"))[-1]
+    with h5py.File(ck, "r") as f:
+        assert f["rows"].shape[1] == 8 + 3 and f.attrs["sparse_optimizer"] == "rowwise_adagrad"
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    r = train(2, run, dataset, "--train.sparse_lr=0.05", "--train.max_steps=48", resume=True, check=False)
+    assert r.returncode != 0
+    assert "train.sparse_optimizer: 'rowwise_adagrad' -> 'adam'" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    train(2, run, dataset, *flags[:2], "--train.max_steps=48", resume=True)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 48
 
 
 @pytest.mark.parametrize("np_", [2, 3])

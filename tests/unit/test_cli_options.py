@@ -56,7 +56,8 @@ def test_every_config_key_is_described():
     # the doc is the field's comments: the line above and the trailing one
     by_key = {k.dotted: k for k in keys}
     assert by_key["storage.rows_per_rank"].doc.startswith("capacity of each rank's SSD shard, in rows; 0: sized")
-    assert by_key["storage.dim"].doc == "embedding dimension D; a row holds 3 * (D + 1) + 1 float32"
+    assert by_key["storage.dim"].doc == ("embedding dimension D; a row holds 3 * (D + 1) + 1 float32 with Adam "
+                                         "(train.sparse_optimizer)")
     assert by_key["merge.mode"].choices[0] == ("kstep", by_key["merge.mode"].choices[0][1])
     assert by_key["metrics.eval_every_windows"].default == "0"
 

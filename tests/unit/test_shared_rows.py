@@ -55,7 +55,7 @@ def _train(tmp_path, limit, bf16=False):
         pulled = rows.clone()
         assert (x.shared is None) == (limit == 0)  # no pull chooses rows where none may be shared
         touched = [_grads(comm.rank, step, rows.shape[0])[0] for step in range(STEPS)]
-        sync = SharedRowSync(comm, x.shared, rows, touched, name="w0.shared", bf16=bf16) if limit else None
+        sync = SharedRowSync(comm, x.shared, rows, store.layout, touched, name="w0.shared", bf16=bf16) if limit else None
         keys = x.routing.keys
         held = set(x.shared.positions.tolist()) if limit else set()
         read = {}  # (key, step): the model columns a shared row had when this rank's step read it
