@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import machine_line, write_section
-from bench.train import hvctr_run, make_data, reference_run
+from bench.train import _with_load, hvctr_run, make_data, reference_run
 from hvctr.formats import RowLayout, SparseOptimizer
 from hvctr.plan.model import shard_bytes
 
@@ -41,7 +41,10 @@ SYSTEMS = {  # name: hvctr flags (None: TorchRec)
 }
 
 
-def measure(data_sets: list[tuple[int, Path]], rows: int, rounds: int) -> dict[str, Any]:
+OUT_OF_CORE = ("hvctr_adam", "hvctr_rowwise_adagrad")  # with --out-of-core: also with the cache at 10% of Adam's table
+
+
+def measure(data_sets: list[tuple[int, Path]], rows: int, rounds: int, out_of_core: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": rows, "sets": []}
     made = [(seed, work, *make_data(work, rows, seed)) for seed, work in data_sets]
     per_set: list[dict[str, Any]] = [{"seed": seed, "bayes_auc": bayes, "rounds": []} for seed, _, _, bayes in made]
@@ -51,9 +54,16 @@ def measure(data_sets: list[tuple[int, Path]], rows: int, rounds: int) -> dict[s
             tag = f"rs{i + 1}"
             runs = []
             for name, flags in SYSTEMS.items():
-                r = (reference_run(work, data, "torchrec", tag) if flags is None
-                     else hvctr_run(work, data, f"{name}.{tag}", flags))
+                r = _with_load(lambda: reference_run(work, data, "torchrec", tag) if flags is None
+                               else hvctr_run(work, data, f"{name}.{tag}", flags))
                 runs.append({**r, "system": name})
+            if out_of_core:  # the same cache bytes: a row-wise row is smaller, so the cache holds more of them
+                cache = int(0.1 * runs[0]["shard_rows_rank0"] * RowLayout(16).row_bytes)
+                res["cache_bytes"] = cache
+                for name in OUT_OF_CORE:
+                    flags = SYSTEMS[name] + [f"--storage.cpu_cache_bytes={cache}"]
+                    r = _with_load(lambda: hvctr_run(work, data, f"{name}_cache10.{tag}", flags))
+                    runs.append({**r, "system": f"{name}_cache10"})
             res["rounds"].append(runs)
             (data_sets[0][1] / "row_states.json").write_text(json.dumps({**out, "sets": per_set}, indent=1))
     out["sets"] = per_set
@@ -84,11 +94,24 @@ def render(res: dict[str, Any], command: str, machine: str, dim: int = 16) -> st
             per = ", ".join(f"{r[i]['samples_per_s']:,.0f}" for r in R if r[i].get("samples_per_s"))
             ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
             diff = lambda a, b: f"{a - b:+.4f}" if a is not None and b is not None else "-"  # noqa: E731
+            base = sps["hvctr_adam_cache10"] if n.endswith("_cache10") else sps["hvctr_adam"]
             lines.append(f"| seed {s['seed']} (Bayes {s['bayes_auc']:.4f}) | {n} | "
                          + (f"{sps[n]:,.0f}" if sps[n] else "skipped") + f" | {per} | "
-                         f"{ratio(sps[n], sps['hvctr_adam'])} | {ratio(sps[n], sps.get('torchrec'))} | "
+                         f"{ratio(sps[n], base)} | {ratio(sps[n], sps.get('torchrec'))} | "
                          + (f"{auc[n]:.4f}" if auc[n] is not None else "-")
                          + f" | {diff(auc[n], auc['hvctr_adam'])} | {diff(auc[n], auc.get('torchrec'))} |")
+    ooc = [s for s in res["sets"] if "cache_bytes" in s]
+    if ooc:
+        lines += ["", "`_cache10`: the CPU cache at 10% of Adam's table a rank (" + ", ".join(
+            f"seed {s['seed']}: {s['cache_bytes'] / 2**20:.1f} MiB" for s in ooc) + "), the same bytes for both "
+            "optimisers: row-wise Adagrad's rows are 0.37x Adam's at D = 16, so the cache holds 2.7x as many; "
+            "`vs hvctr adam` of these rows is against hvctr_adam_cache10. Hit rates (rank 0, last round): " + "; ".join(
+            f"seed {s['seed']}: " + ", ".join(f"{r['system']} {r['cache_hit_rate']:.3f}" for r in s["rounds"][-1]
+                                              if r["system"].endswith("_cache10")) for s in ooc) + "."]
+    loads = "; ".join(f"seed {s['seed']} round {j + 1}: " + ", ".join(f"{r.get('load_before', float('nan')):.1f}"
+                                                                        for r in rnd)
+                      for s in res["sets"] for j, rnd in enumerate(s["rounds"]))
+    lines += ["", f"Load average (1 min) before each run, in the table's order (2 cpus): {loads}."]
     lines += ["", "What a row costs (float32; keys a GB of SSD: the shard's rows, index and metadata at "
               "storage.max_load_factor 0.8, hvctr.plan.model.shard_bytes):", "",
               "| train.sparse_optimizer | columns | bytes a row, D = 16 | D = 128 | keys a GB of SSD, D = 16 | D = 128 |",
@@ -106,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a data set: data_prep synth's seed and the work directory holding (or to hold) it; repeat")
     p.add_argument("--rows", type=int, default=2_200_000)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out-of-core", action="store_true",
+                   help="also adam and rowwise_adagrad with the cache at 10%% of Adam's table (the same bytes)")
     p.add_argument("--benchmarks", default="", help="markdown file to write the section into (default: none)")
     args = p.parse_args(argv)
     sets = []
@@ -117,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         sets.append((int(seed), Path(where)))
     command = "python -m bench.row_states " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.time()
-    res = measure(sets, args.rows, args.rounds)
+    res = measure(sets, args.rows, args.rounds, args.out_of_core)
     text = render(res, command, machine_line()) + f"\nWall time of the benchmark: {(time.time() - t0) / 60:.1f} min.\n"
     print(text)
     if args.benchmarks:

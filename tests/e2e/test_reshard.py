@@ -77,7 +77,8 @@ def test_two_to_three_ranks(dataset, tmp_path):
 
 def test_three_to_two_ranks_and_train_on(dataset, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    flags = ["--merge.every_k_steps=2", "--storage.ttl_passes=1"]
+    # row-wise Adam's rows (m per column, one v a row): the resharded files say so, the resume reads them
+    flags = ["--merge.every_k_steps=2", "--storage.ttl_passes=1", "--train.sparse_optimizer=rowwise_adam"]
     train(3, a, dataset, *flags, "--train.max_steps=10")  # stops a third into the epoch
     assert main(["reshard", "--checkpoint", str(a / "checkpoints"), "--world-size", "2",
                  "--out", str(b / "checkpoints")]) == 0
@@ -92,3 +93,4 @@ def test_three_to_two_ranks_and_train_on(dataset, tmp_path):
     assert s["eval"]["auc"] > _summary(a)["eval"]["auc"] and s["eval"]["auc"] > 0.62
     with h5py.File(b / "checkpoints" / f"ckpt-{m['seq']:06d}" / "rank-00000.h5", "r") as f:
         assert f.attrs["pass_index"] == 1  # the pass ended at 2 ranks: the TTL clock moved on
+        assert f.attrs["sparse_optimizer"] == "rowwise_adam" and f["rows"].shape[1] == 2 * 9 + 2

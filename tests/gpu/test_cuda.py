@@ -1,7 +1,7 @@
 """The CUDA path, on a machine with one GPU (tests/gpu/smoke.sh runs this; skipped without CUDA).
 
-- the sparse optimiser's ops (gather, per-row gradient sums, lazy Adam) with device cuda give
-  what they give on the host (within float rounding) and the same bits twice;
+- the sparse optimiser's ops (gather, per-row gradient sums, lazy Adam, the row-wise steps) with
+  device cuda give what they give on the host (within float rounding) and the same bits twice;
 - a model step under torch.use_deterministic_algorithms(True) runs (cuBLAS needs
   CUBLAS_WORKSPACE_CONFIG, which hvctr.train.cmd sets before CUDA starts) and repeats bit for bit;
 - the trainer on cuda: `hvctr simulate` (the real Trainer, 2 ranks over threads) with
@@ -59,6 +59,25 @@ def test_sparse_ops_on_cuda_match_the_host_and_repeat():
     assert torch.equal(idx_h, idx_a)
     assert torch.allclose(host, a, rtol=1e-5, atol=1e-6)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adam", "rowwise_adagrad"])
+def test_rowwise_steps_on_cuda_match_the_host_kernels(optimizer):
+    """train.sparse_optimizer's row-wise steps: torch's form on the GPU against the C kernels."""
+    from hvctr.formats import RowLayout
+    from hvctr.optim import sparse_step
+
+    lay = RowLayout(8, optimizer)
+    g = torch.Generator().manual_seed(4)
+    rows = torch.rand(500, lay.width, generator=g)
+    rows[:, lay.states] = 0
+    idx = torch.randperm(500, generator=g)[:200]
+    grad = torch.randn(200, lay.model_width, generator=g)
+    host = rows.clone()
+    sparse_step(lay, host, idx, grad, 1e-2, 0.9, 0.999, 1e-8)
+    dev = rows.to(CUDA)
+    sparse_step(lay, dev, idx.to(CUDA), grad.to(CUDA), 1e-2, 0.9, 0.999, 1e-8)
+    assert torch.allclose(host, dev.cpu(), rtol=1e-5, atol=1e-6)
 
 
 def test_model_step_is_deterministic_on_cuda():
