@@ -635,9 +635,10 @@ class EmbeddingStore:
             self.flush()
             self.cache.clear()
             old, tmp = self.shard, self.path + ".compact"
-            new = Shard.create(tmp, dim=self.cfg.dim, optimizer=self.layout.optimizer, capacity=old.capacity, world_size=old.world_size,
-                               rank=old.rank, bucket_owner=old.bucket_owner, seed=self.cfg.seed,
-                               init_scale=old.init_scale, max_load_factor=self.cfg.max_load_factor, **self._io())
+            new = Shard.create(tmp, dim=self.cfg.dim, optimizer=self.layout.optimizer, capacity=old.capacity,
+                               world_size=old.world_size, rank=old.rank, bucket_owner=old.bucket_owner,
+                               seed=self.cfg.seed, init_scale=old.init_scale,
+                               max_load_factor=self.cfg.max_load_factor, **self._io())
             new.pass_index, new.generation = old.pass_index, old.generation
             oldest = old.pass_index - self.cfg.ttl_passes
             dropped = 0
