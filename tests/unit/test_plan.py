@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hvctr.config import Compression, MergeConfig, MergeMode, MergeStates, ModelArch, ModelConfig
-from hvctr.formats import NUM_BUCKETS, default_bucket_owner
+from hvctr.formats import NUM_BUCKETS, RowLayout, SparseOptimizer, default_bucket_owner
 from hvctr.models import build_model
 from hvctr.plan.keyfreq import KeyCurve, zipf_curve, zipf_distinct
 from hvctr.plan.model import (FITS, NO_FIT, UNKNOWN, Job, NodeInfo, dense_flops_per_sample, dense_params,
@@ -72,12 +72,14 @@ def test_rows_per_rank_is_the_fullest_shard_of_the_bucket_table(world):
     assert rows_per_rank(keys, world) == math.ceil(keys * buckets.max() / NUM_BUCKETS)
 
 
-@pytest.mark.parametrize("capacity,dim,lf", [(10_000, 8, 0.8), (3_000, 16, 0.5)])
-def test_shard_bytes_are_the_shard_files_datasets(tmp_path, capacity, dim, lf):
+@pytest.mark.parametrize("capacity,dim,lf,optimizer", [(10_000, 8, 0.8, "adam"), (3_000, 16, 0.5, "adam"),
+                                                        (3_000, 16, 0.5, "rowwise_adam"),
+                                                        (10_000, 8, 0.8, "rowwise_adagrad")])
+def test_shard_bytes_are_the_shard_files_datasets(tmp_path, capacity, dim, lf, optimizer):
     path = tmp_path / "s.h5"
     Shard.create(path, dim=dim, capacity=capacity, world_size=1, rank=0, bucket_owner=default_bucket_owner(1),
-                 seed=1, init_scale=0.01, max_load_factor=lf).close()
-    want = shard_bytes(capacity, dim, lf)
+                 seed=1, init_scale=0.01, max_load_factor=lf, optimizer=SparseOptimizer(optimizer)).close()
+    want = shard_bytes(capacity, dim, lf, SparseOptimizer(optimizer))
     with h5py.File(path, "r") as f:
         assert (f["index"].nbytes, f["rows"].nbytes, f["row_meta"].nbytes) == (want["index"], want["rows"], want["meta"])
     size = path.stat().st_size
@@ -457,3 +459,20 @@ def test_the_plan_pulls_ahead_and_pushes_behind_where_training_would():
     assert on.job.push_behind is PushBehind.ON
     assert on.figures["merge_s_per_step"] < off.figures["merge_s_per_step"]
     assert on.figures["prep_s_per_step"] > off.figures["prep_s_per_step"]
+
+
+def test_the_plan_sizes_rows_by_their_optimizer():
+    """train.sparse_optimizer reaches the plan: a row-wise Adagrad row is D + 3 floats (76 B at D = 16
+    against Adam's 208), in the shard, the cache's rows and the host's bytes."""
+    from hvctr.config import load_config
+    from hvctr.plan.cmd import job_from
+
+    curve = zipf_curve(10**6, 1.1, 26)
+    figures = {}
+    for o in ("adam", "rowwise_adagrad"):
+        job = job_from(load_config(None, [f"--train.sparse_optimizer={o}"]), 1, 2, 10**6, 0)
+        assert job.sparse_optimizer is SparseOptimizer(o) and job.layout == RowLayout(16, o)
+        figures[o] = plan(job, NODE, RATES, curve).figures
+    assert (figures["adam"]["row_bytes"], figures["rowwise_adagrad"]["row_bytes"]) == (208, 76)
+    assert figures["rowwise_adagrad"]["shard_bytes"] < figures["adam"]["shard_bytes"]
+    assert figures["rowwise_adagrad"]["host_bytes"] < figures["adam"]["host_bytes"]
