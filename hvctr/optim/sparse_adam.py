@@ -46,15 +46,22 @@ def _check_index(index: Tensor, bound: int, what: str) -> None:
         raise IndexError(f"{what}: indices span [{int(index.min())}, {int(index.max())}], table has {bound} rows")
 
 
+def step_bias_corrections(step: Tensor, lr: float, beta1: float, beta2: float) -> tuple[Tensor, Tensor]:
+    """Adds one to each row's ``step`` column (in place) and returns Adam's step size and
+    sqrt(1 - beta2^step) per row, [n, 1] float32: computed in float64 per row, as torch.optim.Adam
+    computes them in Python floats (the C kernels do the same)."""
+    step.add_(1)
+    s64 = step.double()
+    step_size = (lr / (1 - torch.pow(beta1, s64))).float().unsqueeze(1)
+    bc2_sqrt = (1 - torch.pow(beta2, s64)).sqrt().float().unsqueeze(1)
+    return step_size, bc2_sqrt
+
+
 def _adam_rows_torch_(r: Tensor, g: Tensor, lr: float, beta1: float, beta2: float, eps: float) -> None:
     """Adam on every row of ``r`` [n, width] in place, with each row's own step: the reference."""
     lay = RowLayout.of_width(r.shape[1])
     p, m, v, step = r[:, lay.model], r[:, lay.m], r[:, lay.v], r[:, lay.step]
-    step.add_(1)
-    s64 = step.double()
-    # Bias corrections in float64 per row, as torch.optim.Adam computes them in Python floats.
-    step_size = (lr / (1 - torch.pow(beta1, s64))).float().unsqueeze(1)
-    bc2_sqrt = (1 - torch.pow(beta2, s64)).sqrt().float().unsqueeze(1)
+    step_size, bc2_sqrt = step_bias_corrections(step, lr, beta1, beta2)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     denom = (v.sqrt() / bc2_sqrt).add_(eps)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from hvctr.formats import RowLayout, SparseOptimizer
 from hvctr.kernels import native as _native
-from hvctr.optim.sparse_adam import _check_index, _native_ok, sparse_adam_step
+from hvctr.optim.sparse_adam import _check_index, _native_ok, sparse_adam_step, step_bias_corrections
 
 
 def _mean_square(g: Tensor) -> Tensor:
@@ -39,10 +39,7 @@ def _mean_square(g: Tensor) -> Tensor:
 def _rowwise_adam_torch_(r: Tensor, lay: RowLayout, g: Tensor, lr: float, beta1: float, beta2: float,
                          eps: float) -> None:
     p, m, v, step = r[:, lay.model], r[:, lay.m], r[:, lay.v], r[:, lay.step]
-    step.add_(1)
-    s64 = step.double()
-    step_size = (lr / (1 - torch.pow(beta1, s64))).float().unsqueeze(1)
-    bc2_sqrt = (1 - torch.pow(beta2, s64)).sqrt().float().unsqueeze(1)
+    step_size, bc2_sqrt = step_bias_corrections(step, lr, beta1, beta2)
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).add_(_mean_square(g).unsqueeze(1) * (1 - beta2))
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
