@@ -37,16 +37,24 @@ import numpy as np
 # --- the data shard ------------------------------------------------------------------------
 
 FORMAT = "hvctr-data"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 1  # one key per field per row: ``keys`` uint64 [N, 26]
+# Multi-valued fields (data_prep --multi-valued): a field holds 0..n keys a row. The shard keeps
+# ``lengths`` uint16 [N, 26] (keys of each field of each row; 1 in every one-valued field),
+# ``offsets`` int64 [N + 1] (row r's keys are keys[offsets[r]:offsets[r + 1]], field by field),
+# ``keys`` uint64 [offsets[N]]; the manifest names the fields ("multi_valued"). Data without
+# multi-valued fields is still written as version 1, byte for byte as before.
+MULTI_VALUED_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+MAX_FIELD_KEYS = (1 << 16) - 1  # keys of one field in one row: the uint16 of ``lengths``
 NUM_DENSE = 13
-NUM_FIELDS = 26  # categorical fields: one key per field per row
+NUM_FIELDS = 26  # categorical fields: one key each per row (version 1), 0..n (version 2's multi-valued)
 NUM_COLS = 1 + NUM_DENSE + NUM_FIELDS
 DENSE_NAMES = [f"I{i}" for i in range(1, NUM_DENSE + 1)]
 CAT_NAMES = [f"C{i}" for i in range(1, NUM_FIELDS + 1)]
 COLUMN_NAMES = ["label", *DENSE_NAMES, *CAT_NAMES]
 SPLITS = ("train", "valid")
 DATASETS = ("labels", "dense", "keys", "key_sketch")
+MULTI_VALUED_DATASETS = ("labels", "dense", "lengths", "offsets", "keys", "key_sketch")  # version 2
 SKETCH_BITS = 12  # 4096 registers per field: about 1.6% relative error on distinct counts
 # The shard file format is pinned so files written by any h5py read the same everywhere.
 HDF5_LIBVER = ("v110", "v110")
