@@ -14,11 +14,20 @@ Non-hex categorical values (rare in Criteo) take a column-wise FNV-1a loop over 
 
 Integers accept an optional leading '-' and a zero fraction ("17668.0", as DeepCTR's CSV
 writes them); anything else in an integer column makes the line bad. The label must be 0 or 1.
+
+Multi-valued fields (``parse_block(data, fmt, multi_valued=(2, 20), value_sep=b",")``): the text
+of those fields is cut at the value separator; each non-empty token is keyed as a one-valued value
+of that field is ("a,,b" is 2 keys, an empty field 0). The block then holds ``lengths`` [n, 26]
+and a flat ``keys``, row by row, field by field, tokens in line order. Still no loop per row or
+per field: the separator bytes inside the fields' byte ranges are found with one search over
+the ranges sorted by position, token ends are those separators plus each range's end (a
+separator j of range k ends token j + k), and every token is hashed in one call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -81,18 +90,35 @@ class RowFormat:
 
 @dataclass
 class Block:
-    """Parsed rows of one block. ``lines`` holds each row's line index within the block."""
+    """Parsed rows of one block. ``lines`` holds each row's line index within the block.
+
+    Without multi-valued fields ``keys`` is [n, 26] and ``lengths`` None; with them ``keys`` is
+    flat, row by row and field by field, and ``lengths`` says how many keys each field holds."""
     labels: np.ndarray  # float32 [n]
     dense: np.ndarray  # float32 [n, 13]
-    keys: np.ndarray  # uint64 [n, 26]
+    keys: np.ndarray  # uint64 [n, 26], or [lengths.sum()] with multi-valued fields
     lines: np.ndarray  # int64 [n]
     num_lines: int
-    missing: np.ndarray  # int64 [39]: empty values per column I1..I13, C1..C26, over good rows
+    missing: np.ndarray  # int64 [39]: empty values per column I1..I13, C1..C26 (0 keys), over good rows
     bad: list[tuple[int, str]] = field(default_factory=list)
+    lengths: np.ndarray | None = None  # uint16 [n, 26]: keys per field (multi-valued fields only)
 
 
-def parse_block(data: bytes, fmt: RowFormat) -> Block:
-    """Parses complete lines (a final line without a newline is accepted)."""
+def check_value_sep(value_sep: bytes, fmt: RowFormat, option: str = "--value-separator") -> None:
+    """A value separator must be one byte that neither ends a line nor separates the columns."""
+    if len(value_sep) != 1 or value_sep in b"\r\n":
+        raise ValueError(f"{option} must be one character other than a line end, got {value_sep!r}")
+    if value_sep[0] == fmt.sep:
+        raise ValueError(f"{option} {value_sep.decode('ascii', 'replace')!r} is the column separator of "
+                         f"{fmt.kind.upper()} input: values inside a multi-valued field need another "
+                         f"separator (e.g. {option} '|')")
+
+
+def parse_block(data: bytes, fmt: RowFormat, multi_valued: Sequence[int] = (), value_sep: bytes = b",") -> Block:
+    """Parses complete lines (a final line without a newline is accepted). ``multi_valued``: the
+    0-based categorical fields whose text holds 0..n values separated by ``value_sep``."""
+    if multi_valued:
+        check_value_sep(value_sep, fmt)
     if b"\r" in data:
         data = data.replace(b"\r\n", b"\n")
     if data and not data.endswith(b"\n"):
@@ -126,11 +152,130 @@ def parse_block(data: bytes, fmt: RowFormat) -> Block:
         keep = np.flatnonzero(row_ok)
         rows, ivals, starts, ends, lengths = rows[keep], ivals[keep], starts[keep], ends[keep], lengths[keep]
 
+    if multi_valued:
+        return _multi_block(buf, v64, len(data), value_sep[0], np.asarray(sorted(set(multi_valued)), dtype=np.int64),
+                            rows, ivals, ends, lengths, num_lines, bad)
     keys = _parse_cats(buf, v64, ends[:, 1 + NUM_DENSE:], lengths[:, 1 + NUM_DENSE:])
     with np.errstate(divide="ignore"):
         dense = np.log1p(np.maximum(ivals[:, 1:], 0).astype(np.float64)).astype(np.float32)
     missing = (lengths[:, 1:] == 0).sum(axis=0, dtype=np.int64)
     return Block(ivals[:, 0].astype(np.float32), dense, keys, rows.astype(np.int64), num_lines, missing, bad)
+
+
+def _multi_block(buf: np.ndarray, v64: np.ndarray, n_data: int, sep: int, multi: np.ndarray, rows: np.ndarray,
+                 ivals: np.ndarray, ends: np.ndarray, lengths: np.ndarray, num_lines: int,
+                 bad: list[tuple[int, str]]) -> Block:
+    """parse_block's end when some fields are multi-valued: tokens, too-long fields, flat keys."""
+    cat_ends, cat_lengths = ends[:, 1 + NUM_DENSE:], lengths[:, 1 + NUM_DENSE:]
+    tok_end, tok_len, tok_range, counts = _multi_tokens(buf, n_data, sep, cat_ends[:, multi], cat_lengths[:, multi])
+    too_long = counts > formats.MAX_FIELD_KEYS  # [n, m]
+    if too_long.any():
+        row_bad = too_long.any(axis=1)
+        for k in np.flatnonzero(row_bad):  # rare: a per-line reason, as _int_reasons gives
+            j = int(np.argmax(too_long[k]))
+            bad.append((int(rows[k]), f"{formats.CAT_NAMES[multi[j]]}: {int(counts[k, j]):,} values, more than "
+                                      f"{formats.MAX_FIELD_KEYS:,} (the most one field of a row holds)"))
+        bad.sort()
+        keep = ~row_bad
+        m = len(multi)
+        tok_keep = keep[tok_range // m]
+        new_row = np.cumsum(keep) - 1  # a kept row's index among the kept rows
+        tok_end, tok_len = tok_end[tok_keep], tok_len[tok_keep]
+        tok_range = new_row[tok_range[tok_keep] // m] * m + tok_range[tok_keep] % m
+        rows, ivals, counts = rows[keep], ivals[keep], counts[keep]
+        cat_ends, cat_lengths = cat_ends[keep], cat_lengths[keep]
+        lengths = lengths[keep]
+    n = len(rows)
+    one_lengths = cat_lengths.copy()
+    one_lengths[:, multi] = 0  # keyed below, token by token; here the cheap missing key, unused
+    one_keys = _parse_cats(buf, v64, cat_ends, one_lengths)
+    field_len = np.ones((n, NUM_FIELDS), dtype=np.uint16)
+    field_len[:, multi] = counts
+    keys = _flat_keys(field_len, one_keys, multi, tok_range, _value_keys(buf, v64, tok_end, tok_len, multi[tok_range % len(multi)]))
+    with np.errstate(divide="ignore"):
+        dense = np.log1p(np.maximum(ivals[:, 1:], 0).astype(np.float64)).astype(np.float32)
+    empty = lengths[:, 1:] == 0
+    empty[:, NUM_DENSE + multi] = counts == 0  # a multi-valued field is missing when it holds no key
+    missing = empty.sum(axis=0, dtype=np.int64)
+    return Block(ivals[:, 0].astype(np.float32), dense, keys, rows.astype(np.int64), num_lines, missing, bad,
+                 lengths=field_len)
+
+
+def _multi_tokens(buf: np.ndarray, n_data: int, sep: int, ends: np.ndarray,
+                  lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The non-empty tokens of byte ranges ([n, m] ends and lengths: m fields of n rows).
+
+    Returns each token's end and length (positions index ``buf``), its range k = row * m + j
+    (tokens ordered by range, then by position), and the tokens per range [n, m]."""
+    n, m = ends.shape
+    r_end = ends.ravel()
+    r_start = r_end - lengths.ravel()
+    num_ranges = r_end.size
+    # Ranges are disjoint, so their starts are distinct; in a TSV (and any file whose columns come
+    # in order) they are already sorted by position; a CSV's columns can come in any order.
+    order = None if np.all(r_start[1:] > r_start[:-1]) else np.argsort(r_start, kind="stable")
+    s_sorted = r_start if order is None else r_start[order]
+    e_sorted = r_end if order is None else r_end[order]
+    pos = np.flatnonzero(buf[PAD:PAD + n_data] == sep) + PAD
+    at = np.searchsorted(s_sorted, pos, side="right") - 1  # the last range starting at or before
+    inside = at >= 0
+    inside[inside] = pos[inside] < e_sorted[at[inside]]
+    pos, at = pos[inside], at[inside]
+    sep_range = at if order is None else order[at]
+    if order is not None:  # by range, each range's separators in line order
+        o = np.argsort(sep_range, kind="stable")
+        pos, sep_range = pos[o], sep_range[o]
+    per_range = np.bincount(sep_range, minlength=num_ranges)
+    # separator j of range k ends token j + k and starts token j + k + 1; range k's last token
+    # (the separators of ranges 0..k, plus k) ends at the range's end, its first starts at its start
+    num_tokens = len(pos) + num_ranges
+    tok_end = np.empty(num_tokens, dtype=np.int64)
+    tok_start = np.empty(num_tokens, dtype=np.int64)
+    j = np.arange(len(pos), dtype=np.int64)
+    tok_end[j + sep_range] = pos
+    tok_start[j + sep_range + 1] = pos + 1
+    last = np.cumsum(per_range) + np.arange(num_ranges, dtype=np.int64)
+    tok_end[last] = r_end
+    tok_start[last - per_range] = r_start
+    tok_range = np.repeat(np.arange(num_ranges, dtype=np.int64), per_range + 1)
+    tok_len = tok_end - tok_start
+    keep = np.flatnonzero(tok_len > 0)  # "a,,b": 2 tokens; an empty field: none
+    tok_range = tok_range[keep]
+    counts = np.bincount(tok_range, minlength=num_ranges).reshape(n, m)
+    return tok_end[keep], tok_len[keep], tok_range, counts
+
+
+def _value_keys(buf: np.ndarray, v64: np.ndarray, ends: np.ndarray, lengths: np.ndarray,
+                field_of: np.ndarray) -> np.ndarray:
+    """Keys of non-empty values of any fields (flat arrays): what _parse_cats computes for a
+    one-valued field's value, through the same routines (_hex_values, hex_keys, _string_keys)."""
+    values, hexok = _hex_values(v64, ends, lengths)
+    field_of = field_of.astype(np.uint64)
+    keys = formats.hex_keys(field_of, values)
+    other = np.flatnonzero(~hexok)
+    if other.size:
+        keys[other] = _string_keys(buf, ends[other], lengths[other], field_of[other])
+    return keys
+
+
+def _flat_keys(field_len: np.ndarray, one_keys: np.ndarray, multi: np.ndarray, tok_range: np.ndarray,
+               tok_keys: np.ndarray) -> np.ndarray:
+    """The flat keys of rows: row by row, field by field; one-valued fields from ``one_keys``
+    [n, 26], multi-valued ones from the tokens (ordered by range k = row * m + j, then in line order)."""
+    n, m = field_len.shape[0], len(multi)
+    at = np.zeros(n * NUM_FIELDS + 1, dtype=np.int64)  # where each (row, field)'s keys start
+    np.cumsum(field_len.ravel(), out=at[1:])
+    keys = np.empty(int(at[-1]), dtype=np.uint64)
+    one = np.ones(NUM_FIELDS, dtype=bool)
+    one[multi] = False
+    starts = at[:-1].reshape(n, NUM_FIELDS)
+    keys[starts[:, one].ravel()] = one_keys[:, one].ravel()
+    # a token's rank inside its range: its index minus the range's first token's
+    first = np.zeros(n * m + 1, dtype=np.int64)
+    np.cumsum(np.bincount(tok_range, minlength=n * m), out=first[1:])
+    rank = np.arange(len(tok_range), dtype=np.int64) - first[tok_range]
+    keys[starts[tok_range // m, multi[tok_range % m]] + rank] = tok_keys
+    return keys
 
 
 def _split_fields(buf: np.ndarray, n: int, fmt: RowFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
