@@ -196,7 +196,7 @@ def _check_dir(path: Path, ok, what: str) -> None:
 # (hvctr reshard may change it), the kernel path only warned about (hvctr.checkpoint.format).
 MUST_MATCH = frozenset({
     "model.arch", "model.hidden", "model.num_dense", "model.num_fields", "model.bottom_mlp", "model.cross_layers",
-    "model.cross_rank",
+    "model.cross_rank", "model.pooling",
     "storage.dim", "storage.seed", "storage.init_scale", "storage.admit_after", "storage.admit_sketch_slots",
     "storage.ttl_passes",
     "merge.mode", "merge.every_k_steps", "merge.k_warmup_steps",

@@ -93,6 +93,11 @@ class HeapTrim(str, enum.Enum):
     OFF = "off"  # never: freed memory stays with the process until glibc reuses it
 
 
+class Pooling(str, enum.Enum):
+    SUM = "sum"  # a multi-valued field's embedding: the sum of its keys' rows
+    MEAN = "mean"  # their mean (an empty field: 0 either way)
+
+
 class ModelArch(str, enum.Enum):
     DNN = "dnn"
     DEEPFM = "deepfm"
@@ -257,6 +262,10 @@ class ModelConfig:
     cross_rank: int = 0  # dcnv2, dlrm-dcnv2: W = U V^T of this rank; 0: a full-rank W
     num_dense: int = 13  # dense (numeric) features per row: Criteo's 13
     num_fields: int = 26  # categorical fields per row, one key each: Criteo's 26
+    # multi-valued fields (data_prep --multi-valued): how a field's 0..n keys make one embedding,
+    # sum or mean; one entry for every field, or one a field (model.num_fields). One-valued
+    # fields are not affected (a bag of one is its row either way)
+    pooling: tuple[Pooling, ...] = (Pooling.SUM,)
 
 
 @dataclass(frozen=True)
@@ -478,7 +487,7 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
         if isinstance(v, enum.Enum):
             return v.value
         if isinstance(v, tuple):
-            return list(v)
+            return [plain(x) for x in v]
         return v
 
     return {s.name: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, s.name)).items()}
@@ -540,6 +549,8 @@ def _validate_model(mc: ModelConfig, dim: int) -> None:
     _require(all(h >= 1 for h in mc.bottom_mlp), "model.bottom_mlp", f"layer sizes must be >= 1, got {mc.bottom_mlp}")
     _require(mc.cross_layers >= 1, "model.cross_layers", f"must be >= 1, got {mc.cross_layers}")
     _require(mc.cross_rank >= 0, "model.cross_rank", f"must be >= 0 (0: full rank), got {mc.cross_rank}")
+    _require(len(mc.pooling) in (1, mc.num_fields), "model.pooling",
+             f"{len(mc.pooling)} entries: give one (every field) or one a field (model.num_fields = {mc.num_fields})")
     if mc.arch in BOTTOM_MLP_ARCHS:
         # The bottom MLP's output is dotted with (dlrm) or stacked beside (dlrm-dcnv2) the embeddings
         _require(len(mc.bottom_mlp) >= 1 and mc.bottom_mlp[-1] == dim, "model.bottom_mlp",

@@ -31,14 +31,15 @@ import h5py
 import numpy as np
 
 from hvctr.formats import safefile
+from hvctr.data.bags import Bags
 from hvctr.data.manifest import load_manifest, manifest_digest
-from hvctr.formats import NUM_DENSE, NUM_FIELDS, SAMPLE_BYTES, SPLITS
+from hvctr.formats import MULTI_VALUED_VERSION, NUM_DENSE, NUM_FIELDS, SAMPLE_BYTES, SPLITS
 
 
 class Batch(NamedTuple):
     labels: np.ndarray  # float32 [B]
     dense: np.ndarray  # float32 [B, 13]
-    keys: np.ndarray  # uint64 [B, 26]
+    keys: np.ndarray | Bags  # uint64 [B, 26]; multi-valued data (format version 2): Bags of uint64 keys
 
 
 def dataset_checksum(dset: h5py.Dataset, rows_per_read: int = 1 << 18) -> str:
@@ -127,6 +128,8 @@ class ShardReader:
         self.data_dir, self.split, self.rank, self.world_size = data_dir, split, rank, world_size
         self.batch_size = batch_size
         self.manifest = load_manifest(data_dir)
+        # format version 2: some fields hold 0..n keys a row (Bags); version 1: one key a field
+        self.multi_valued = self.manifest.get("format_version") == MULTI_VALUED_VERSION
         records = self.manifest["shards"][split]
         if world_size > len(records):
             raise ValueError(f"{data_dir}: {len(records)} shards per split, fewer than {world_size} ranks: "
@@ -161,6 +164,9 @@ class ShardReader:
                              f"run data_prep again for {self.data_dir}") from None
         shapes = {"labels": (record["rows"],), "dense": (record["rows"], NUM_DENSE),
                   "keys": (record["rows"], NUM_FIELDS)}
+        if self.multi_valued:
+            shapes.update(lengths=(record["rows"], NUM_FIELDS), offsets=(record["rows"] + 1,),
+                          keys=(record.get("keys", -1),))
         for name, shape in shapes.items():
             if name not in f or f[name].shape != shape:
                 f.close()
@@ -201,6 +207,8 @@ class ShardReader:
         """Rows [lo, hi) of this rank's stream (labels, dense, keys): one slice read per shard it crosses."""
         if not 0 <= lo <= hi <= self.rows:
             raise ValueError(f"row range [{lo}, {hi}) is outside [0, {self.rows}]")
+        if self.multi_valued:
+            return self._read_bags(lo, hi)
         out = (np.empty(hi - lo, np.float32), np.empty((hi - lo, NUM_DENSE), np.float32),
                np.empty((hi - lo, NUM_FIELDS), np.uint64))
         i = int(np.searchsorted(self._starts, lo, side="right")) - 1
@@ -216,6 +224,33 @@ class ShardReader:
             pos += b - a
             i += 1
         return Batch(*out)
+
+    def _read_bags(self, lo: int, hi: int) -> Batch:
+        """read_rows of multi-valued data: each shard's row offsets say which slice of its keys
+        the rows hold; one slice read per dataset per shard crossed."""
+        labels, dense = np.empty(hi - lo, np.float32), np.empty((hi - lo, NUM_DENSE), np.float32)
+        lengths = np.empty((hi - lo, NUM_FIELDS), np.uint16)
+        keys: list[np.ndarray] = []
+        i = int(np.searchsorted(self._starts, lo, side="right")) - 1
+        pos = lo
+        while pos < hi:
+            a = pos - self._starts[i]
+            b = min(hi, self._starts[i + 1]) - self._starts[i]
+            f = self._files[i]
+            dest = np.s_[pos - lo:pos - lo + (b - a)]
+            if b > a:
+                for name, arr in (("labels", labels), ("dense", dense), ("lengths", lengths)):
+                    f[name].read_direct(arr, source_sel=np.s_[a:b], dest_sel=dest)
+                ka, kb = (int(x) for x in f["offsets"][a:b + 1][[0, -1]])
+                got = lengths[dest].sum(dtype=np.int64)
+                if kb - ka != got or not 0 <= ka <= kb <= f["keys"].shape[0]:
+                    raise ValueError(f"{self.paths[i]}: rows [{a}, {b}) hold keys [{ka}, {kb}) by 'offsets', "
+                                     f"{got} by 'lengths': the file is damaged or was not written by data_prep")
+                keys.append(f["keys"][ka:kb])
+            pos += b - a
+            i += 1
+        flat = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
+        return Batch(labels, dense, Bags(flat, lengths))
 
     def close(self) -> None:
         for f in self._files:

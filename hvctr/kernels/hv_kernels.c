@@ -399,6 +399,58 @@ void hv_sum_rows_ld(const int64_t *inverse, int64_t n, const float *grad, int64_
     }
 }
 
+/* Multi-valued fields: bag b (row b / nf, field b % nf) holds positions pos[off[b] .. off[b+1]).
+   emb[b] = the sum of its rows' first dim columns, w1[b] = the sum of their column dim, summed
+   in the bag's order from 0; a field with mean[b % nf] divides both by the bag's length (an empty
+   bag is 0 either way). Exactly what the torch reference (hvctr.optim.pooling) computes. */
+void hv_gather_pooled(const float *rows, int64_t width, const int64_t *pos, const int64_t *off, int64_t nbags,
+                      int64_t nf, const uint8_t *mean, int64_t dim, float *emb, float *w1)
+{
+    for (int64_t b = 0; b < nbags; ++b) {
+        float *e = emb + b * dim;
+        float s1 = 0.0f;
+        for (int64_t j = 0; j < dim; ++j) e[j] = 0.0f;
+        const int64_t lo = off[b], hi = off[b + 1];
+        for (int64_t i = lo; i < hi; ++i) {
+            if (i + AHEAD < hi) prefetch_row(rows + pos[i + AHEAD] * width, dim + 1, 0);
+            const float *r = rows + pos[i] * width;
+            for (int64_t j = 0; j < dim; ++j) e[j] += r[j];
+            s1 += r[dim];
+        }
+        if (mean[b % nf] && hi > lo) {
+            const float n = (float)(hi - lo);
+            for (int64_t j = 0; j < dim; ++j) e[j] /= n;
+            s1 /= n;
+        }
+        w1[b] = s1;
+    }
+}
+
+/* The backward of hv_gather_pooled, summed per distinct row: for every value i of bag b (in
+   ascending i), out[inverse[i] * ld + j] += g[b * c + j] (divided by the bag's length where its
+   field is mean-pooled) for j < c. c = dim writes the embedding's columns, c = 1 at out + dim the
+   w1 column: hv_sum_rows_ld with each value's gradient its bag's. */
+void hv_sum_pooled_ld(const int64_t *inverse, const int64_t *off, int64_t nbags, int64_t nf, const uint8_t *mean,
+                      const float *grad, int64_t c, float *out, int64_t ld)
+{
+    for (int64_t b = 0; b < nbags; ++b) {
+        const int64_t lo = off[b], hi = off[b + 1];
+        const float *g = grad + b * c;
+        if (mean[b % nf] && hi > lo) {
+            const float n = (float)(hi - lo);
+            for (int64_t i = lo; i < hi; ++i) {
+                float *o = out + inverse[i] * ld;
+                for (int64_t j = 0; j < c; ++j) o[j] += g[j] / n;
+            }
+        } else {
+            for (int64_t i = lo; i < hi; ++i) {
+                float *o = out + inverse[i] * ld;
+                for (int64_t j = 0; j < c; ++j) o[j] += g[j];
+            }
+        }
+    }
+}
+
 
 /* ---- the SSD shard's I/O: many reads in flight, write-behind ---------------------------------
 

@@ -96,6 +96,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "hv_init_rows": ([ptr, i64, u64, i64, i64, f64, ptr], None),
         "hv_gather_split": ([ptr, i64, ptr, i64, i64, ptr, ptr], None),
         "hv_sum_rows_ld": ([ptr, i64, ptr, i64, ptr, i64], None),
+        "hv_gather_pooled": ([ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr], None),
+        "hv_sum_pooled_ld": ([ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i64], None),
         "hv_io_read": ([i64, i64, i64, ptr, i64, ptr, i64, i64, ptr], i64),
         "hv_io_write": ([i64, i64, i64, ptr, i64, ptr, i64, i64, ptr], i64),
         "hv_io_write_behind": ([i64, i64, i64], i64),

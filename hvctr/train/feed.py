@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hvctr.config import DataConfig, DataVerify
+from hvctr.data.bags import Bags, empty_bags
 from hvctr.data.layout import reshard_coverage
 from hvctr.data.reader import NUM_DENSE, NUM_FIELDS, ShardReader, read_stamp, write_stamp
 from hvctr.distributed.world import AgreedError
@@ -38,10 +39,11 @@ class _WindowReader:
         self._reader = reader
         self._b = reader.batch_size
 
-    def read(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | Bags]:
+        """keys [n, B, F], or for multi-valued data a Bags of the n x B rows, batch after batch."""
         labels, dense, keys = self._reader.read_rows(first * self._b, (first + count) * self._b)
         return (labels.reshape(count, self._b), dense.reshape(count, self._b, NUM_DENSE),
-                keys.reshape(count, self._b, NUM_FIELDS))
+                keys if isinstance(keys, Bags) else keys.reshape(count, self._b, NUM_FIELDS))
 
 
 class EvalReader:
@@ -52,13 +54,12 @@ class EvalReader:
         self._b = reader.batch_size
         self.num_batches = -(-reader.rows // self._b)
 
-    def batch(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def batch(self, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | Bags]:
         return self._reader.read_rows(b * self._b, min((b + 1) * self._b, self._reader.rows))
 
-    @staticmethod
-    def empty() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def empty(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | Bags]:
         return (np.zeros(0, np.float32), np.zeros((0, NUM_DENSE), np.float32),
-                np.zeros((0, NUM_FIELDS), np.uint64))
+                empty_bags(NUM_FIELDS) if self._reader.multi_valued else np.zeros((0, NUM_FIELDS), np.uint64))
 
 
 class TrainData:

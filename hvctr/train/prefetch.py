@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
+from hvctr.distributed.world import AgreedError
 from hvctr.log import get_logger
 from hvctr.storage.exchange import WindowExchange
 from hvctr.train.window import Route, Window, build_window, fitting_prefix, index_keys
@@ -118,11 +119,16 @@ class WindowSource:
         reader = self._readers.get(self._epoch) or self._readers.setdefault(
             self._epoch, self._reader_for_epoch(self._epoch))
         labels, dense, keys = reader.read(self._batch, want)
-        index = index_keys(keys)
+        index = index_keys(keys, want)
         fit = fitting_prefix(index, want, s.max_working_set_rows)
         # comm: allreduce (Min) of the window length every rank can take
         (n,) = self._comm.allreduce_min_int([fit], name=f"window{self._index}.len")
-        window = build_window(self._index, self._epoch, self._batch, labels[:n], dense[:n], keys.shape, index,
+        if n == 0:  # multi-valued data: one batch's bags may hold more distinct keys than B x F
+            raise AgreedError(f"batch {self._batch} of epoch {self._epoch} holds more distinct keys on some rank "
+                              f"(rank {self._comm.rank}: {index.distinct_in_prefix(1):,}) than "
+                              f"storage.max_working_set_rows = {s.max_working_set_rows:,}: raise it",
+                              report=self._comm.rank == 0)
+        window = build_window(self._index, self._epoch, self._batch, labels[:n], dense[:n], keys, index,
                               self._route)
         self.read_seconds += time.perf_counter() - t0
         if self._warm is not None:

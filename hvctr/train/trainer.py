@@ -42,8 +42,10 @@ from hvctr.heap import HeapTrimmer, trim_wanted
 from hvctr.log import get_logger
 from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
+from hvctr.data.bags import Bags, field_pooling_mask
 from hvctr.optim import (adam_step_count, apply_step_to_rows, gather_embeddings, get_adam_states, set_adam_states,
                          sparse_step, sum_embedding_grads)
+from hvctr.optim.pooling import embed_batch, gather_pooled, sum_pooled_grads
 from hvctr.storage import EmbeddingStore, ShardedTable, shard_path
 from hvctr.train.feed import TrainData
 from hvctr.train.lr import LearningRates
@@ -84,6 +86,8 @@ class Trainer:
         self.dim = cfg.storage.dim
         # the columns of a row (train.sparse_optimizer's states): what the sparse step and evaluation read
         self.layout = RowLayout(self.dim, cfg.train.sparse_optimizer)
+        # multi-valued fields: 1 where a field's bag is pooled by its mean, 0 by its sum (model.pooling)
+        self.pooling = torch.from_numpy(field_pooling_mask(cfg.model.pooling, cfg.model.num_fields))
         self.model = build_model(cfg.model, self.dim, seed=cfg.train.seed).to(device)
         t = cfg.train
         # merge.lr_scaling, merge.adam_scaling: the rates of each step and Adam's constants at W ranks
@@ -347,10 +351,14 @@ class Trainer:
 
     def _forward_backward(self, w: Window, i: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch i's step up to its gradients: (distinct positions, summed gradient of each)."""
-        pos = torch.from_numpy(w.positions[i]).to(self.device)
-        # two contiguous leaves, [B, F, D] and [B, F]: the model reads them without a copy and
-        # its backward writes their gradients whole (gather_rows' [B, F, D+1] would be sliced)
-        emb, w1 = gather_embeddings(rows, pos, self.dim)
+        if w.bags is not None:  # multi-valued fields: each (row, field) bag pooled (hvctr.optim.pooling)
+            pos, off = (torch.from_numpy(a).to(self.device) for a in w.bags[i])
+            emb, w1 = gather_pooled(rows, pos, off, self.pooling, self.cfg.model.num_fields, self.dim)
+        else:
+            pos = torch.from_numpy(w.positions[i]).to(self.device)
+            # two contiguous leaves, [B, F, D] and [B, F]: the model reads them without a copy and
+            # its backward writes their gradients whole (gather_rows' [B, F, D+1] would be sliced)
+            emb, w1 = gather_embeddings(rows, pos, self.dim)
         dense = torch.from_numpy(w.dense[i]).to(self.device)
         labels = torch.from_numpy(w.labels[i]).to(self.device)
         logits = self.model(dense, emb, w1)
@@ -358,6 +366,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.meter.add_loss(float(loss.detach()))
+        if w.bags is not None:
+            return sum_pooled_grads(pos, off, self.pooling, emb.grad, w1.grad, self._batch_unique(w, i))
         return sum_embedding_grads(pos, emb.grad, w1.grad, self._batch_unique(w, i))
 
     def _shared_rows(self, w: Window, rows: torch.Tensor) -> SharedRowSync | None:
@@ -438,12 +448,13 @@ class Trainer:
         acc = EvalAccumulator(self.cfg.metrics.auc_buckets)
         for b in range(n):
             labels, dense, keys = reader.batch(b) if b < reader.num_batches else reader.empty()
-            uniq, inv = np.unique(keys.reshape(-1), return_inverse=True)
+            uniq, inv = np.unique(keys.values if isinstance(keys, Bags) else keys.reshape(-1), return_inverse=True)
             rows = self.table.read_only(uniq, name=f"eval.{split}.{b}")
             if labels.shape[0] == 0:
                 continue
-            g = rows[torch.from_numpy(inv.reshape(keys.shape)).to(self.device)]
-            logits = self.model(torch.from_numpy(dense).to(self.device), g[..., self.layout.w], g[..., self.layout.w1])
+            emb, w1 = embed_batch(rows, keys.with_values(inv) if isinstance(keys, Bags) else inv.reshape(keys.shape),
+                                  self.pooling, self.dim)
+            logits = self.model(torch.from_numpy(dense).to(self.device), emb, w1)
             acc.add_logits(logits, torch.from_numpy(labels))
         # comm: one grouped allreduce (Sum) of the evaluation histograms and sums
         summed = self.comm.allreduce_sum(acc.tensors(), name=f"eval.{split}.hist")

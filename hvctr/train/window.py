@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from hvctr.data.bags import Bags
 from hvctr.kernels import unique_in_order
 from hvctr.optim import batch_unique
 from hvctr.storage.exchange import WindowExchange
@@ -41,16 +42,25 @@ class Window:
     first_batch: int  # index within the epoch of the window's first batch
     labels: np.ndarray  # float32 [n, B]
     dense: np.ndarray  # float32 [n, B, num_dense]
-    positions: np.ndarray  # int64 [n, B, F]: index of each key in unique_keys
+    # int64 [n, B, F]: index of each key in unique_keys; multi-valued data: a Bags of the
+    # n x B rows' positions (batch_positions(i) is batch i's)
+    positions: np.ndarray | Bags
     unique_keys: np.ndarray  # uint64 [U]: sorted; routed, grouped by owner (sorted within each)
     batch_unique: list[tuple[torch.Tensor, torch.Tensor]]  # per batch: batch_unique(positions[i])
     # unique_keys routed to their owners, and what the owners were asked once warm or pull sent
     # them (None: not routed, and no warm ran)
     exchange: WindowExchange | None = None
+    # multi-valued data, per batch: (its positions int64 [nnz], its bag offsets int64 [B F + 1]),
+    # what hvctr.optim.pooling takes (None: one-valued, positions[i] is batch i's [B, F])
+    bags: list[tuple[np.ndarray, np.ndarray]] | None = None
 
     @property
     def num_batches(self) -> int:
         return int(self.labels.shape[0])
+
+    @property
+    def multi_valued(self) -> bool:
+        return self.bags is not None
 
     @property
     def routing(self) -> Routing | None:
@@ -69,28 +79,38 @@ class KeyIndex:
 
     uniq: np.ndarray  # uint64 [K]
     first: np.ndarray  # int64 [K], increasing: flat index of each key's first occurrence
-    inverse: np.ndarray  # int64 [n * B * F]: index of each key in uniq
-    keys_per_batch: int
+    inverse: np.ndarray  # int64 [all keys]: index of each key in uniq
+    batch_ends: np.ndarray  # int64 [n]: flat index one past each batch's last key
 
     def distinct_in_prefix(self, batches: int) -> int:
-        return int(np.searchsorted(self.first, batches * self.keys_per_batch))
+        return int(np.searchsorted(self.first, self.batch_ends[batches - 1])) if batches > 0 else 0
 
 
-def index_keys(keys: np.ndarray) -> KeyIndex:
-    """keys: uint64 [n, B, F] -> their KeyIndex."""
+def index_keys(keys: np.ndarray | Bags, batches: int | None = None) -> KeyIndex:
+    """keys: uint64 [n, B, F], or the Bags of n batches of equal rows (``batches`` = n) -> their
+    KeyIndex. Multi-valued batches hold different numbers of keys: their ends come from the
+    bags' row offsets; the distinct keys are those of every value of every bag."""
+    if isinstance(keys, Bags):
+        n = batches if batches is not None else 1
+        if keys.rows % n:
+            raise ValueError(f"index_keys: {keys.rows} rows are not {n} batches of equal rows")
+        ends = keys.row_offsets()[keys.rows // n::keys.rows // n] if keys.rows else np.zeros(n, np.int64)
+        uniq, first, inverse = unique_in_order(keys.values)
+        return KeyIndex(uniq, first, inverse, ends.astype(np.int64))
     per_batch = int(np.prod(keys.shape[1:])) if keys.ndim > 1 else 1
+    n = int(keys.shape[0]) if keys.ndim > 1 else int(keys.size)
     uniq, first, inverse = unique_in_order(keys)
-    return KeyIndex(uniq, first, inverse, per_batch)
+    return KeyIndex(uniq, first, inverse, np.arange(1, n + 1, dtype=np.int64) * per_batch)
 
 
 def fitting_prefix(index: KeyIndex, batches: int, max_rows: int) -> int:
     """Largest number of leading batches (of ``batches``) with at most max_rows distinct keys."""
-    counts = np.searchsorted(index.first, np.arange(1, batches + 1) * index.keys_per_batch)
+    counts = np.searchsorted(index.first, index.batch_ends[:batches])
     return int(np.searchsorted(counts, max_rows, side="right"))
 
 
 def build_window(index: int, epoch: int, first_batch: int, labels: np.ndarray, dense: np.ndarray,
-                 keys_shape: tuple[int, ...], keys_index: KeyIndex, route: Route | None = None) -> Window:
+                 keys: np.ndarray | Bags, keys_index: KeyIndex, route: Route | None = None) -> Window:
     """The window of the first ``labels.shape[0]`` batches indexed by ``keys_index``; ``route``
     (e.g. ShardedTable.route) routes its unique keys once, for all its exchanges.
 
@@ -110,8 +130,20 @@ def build_window(index: int, epoch: int, first_batch: int, labels: np.ndarray, d
         unique_keys = exchange.routing.keys
     rank = np.empty(m, dtype=np.int64)
     rank[order] = np.arange(m)
-    positions = rank[keys_index.inverse[: n * keys_index.keys_per_batch]].reshape((n, *keys_shape[1:]))
+    end = int(keys_index.batch_ends[n - 1]) if n else 0
+    flat = rank[keys_index.inverse[:end]]
+    bags = None
+    if isinstance(keys, Bags):
+        b = labels.shape[1]
+        positions: np.ndarray | Bags = Bags(flat, keys.lengths[: n * b])
+        starts = np.concatenate([[0], keys_index.batch_ends[:n]])
+        bags = [(flat[starts[i]:starts[i + 1]], Bags(flat[starts[i]:starts[i + 1]], keys.lengths[i * b:(i + 1) * b])
+                 .bag_offsets()) for i in range(n)]
+        per_batch = [p for p, _ in bags]
+    else:
+        positions = flat.reshape((n, *keys.shape[1:]))
+        per_batch = list(positions)
     return Window(index=index, epoch=epoch, first_batch=first_batch, labels=labels, dense=dense,
                   positions=positions, unique_keys=unique_keys,
-                  batch_unique=[batch_unique(torch.from_numpy(p)) for p in positions], exchange=exchange)
+                  batch_unique=[batch_unique(torch.from_numpy(p)) for p in per_batch], exchange=exchange, bags=bags)
 

@@ -58,7 +58,7 @@ def test_window_carries_its_routing_and_batch_unique(n):
     keys = rng.integers(0, 2**63, size=(3, 32, 5), dtype=np.uint64)
     keys[1, :, 0] = keys[0, :, 0]
     table = default_bucket_owner(3)
-    w = build_window(0, 0, 0, np.zeros((n, 32), np.float32), np.zeros((n, 32, 13), np.float32), keys.shape,
+    w = build_window(0, 0, 0, np.zeros((n, 32), np.float32), np.zeros((n, 32, 13), np.float32), keys,
                      index_keys(keys), route=lambda k: route(k, table, 3))
     owner, order, splits = _reference(w.unique_keys, table, 3)
     assert w.routing.keys is w.unique_keys and w.exchange_keys is w.exchange and w.exchange.routing is w.routing
@@ -69,7 +69,7 @@ def test_window_carries_its_routing_and_batch_unique(n):
     for i in range(n):
         uniq, inverse = batch_unique(torch.from_numpy(w.positions[i]))
         assert torch.equal(w.batch_unique[i][0], uniq) and torch.equal(w.batch_unique[i][1], inverse)
-    plain = build_window(0, 0, 0, np.zeros((n, 32), np.float32), np.zeros((n, 32, 13), np.float32), keys.shape,
+    plain = build_window(0, 0, 0, np.zeros((n, 32), np.float32), np.zeros((n, 32, 13), np.float32), keys,
                          index_keys(keys))
     assert plain.routing is None and plain.exchange is None and plain.exchange_keys is plain.unique_keys
 

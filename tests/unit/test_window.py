@@ -50,7 +50,7 @@ def test_window_positions_index_sorted_unique_keys(path, n):
     keys = rng.integers(0, 2**63, size=(3, 16, 4), dtype=np.uint64)
     keys[1, :, 0] = keys[0, :, 0]  # shared keys across batches
     keys[2, :3, 1] = keys[0, :3, 2]
-    w = build_window(5, 0, 10, np.zeros((n, 16), np.float32), np.zeros((n, 16, 13), np.float32), keys.shape,
+    w = build_window(5, 0, 10, np.zeros((n, 16), np.float32), np.zeros((n, 16, 13), np.float32), keys,
                      index_keys(keys))
     assert np.array_equal(w.unique_keys, np.unique(keys[:n]))  # sorted, and only the first n batches'
     assert np.array_equal(w.unique_keys[w.positions], keys[:n])
@@ -67,7 +67,7 @@ def test_a_routed_window_lays_its_working_set_out_by_owner():
     keys = rng.integers(0, 2**63, size=(4, 64, 5), dtype=np.uint64)
     keys[1, :, 0] = keys[0, :, 0]
     table = default_bucket_owner(3)
-    w = build_window(0, 0, 0, np.zeros((3, 64), np.float32), np.zeros((3, 64, 13), np.float32), keys.shape,
+    w = build_window(0, 0, 0, np.zeros((3, 64), np.float32), np.zeros((3, 64, 13), np.float32), keys,
                      index_keys(keys), route=lambda k: route(k, table, 3))
     assert np.array_equal(w.unique_keys[w.positions], keys[:3])
     owner = owner_of(w.unique_keys, table)
