@@ -49,3 +49,17 @@ def manifest_digest(data_dir: str) -> str:
     """sha256 of the manifest file's bytes (what a verification stamp is checked against)."""
     with open(os.path.join(data_dir, MANIFEST_NAME), "rb") as f:
         return "sha256:" + hashlib.sha256(f.read()).hexdigest()
+
+
+def keys_per_row(data_dir: str, fields: int) -> float:
+    """Keys a train row holds on average: ``fields`` (one a field) unless the data has multi-valued
+    fields (format version 2: its shard records count their keys); ``fields`` where the manifest
+    cannot be read (the reader names that problem where it matters)."""
+    try:
+        m = load_manifest(data_dir)
+        records = m["shards"]["train"]
+        if m.get("format_version") == 1 or not records or any("keys" not in r for r in records):
+            return float(fields)
+        return sum(int(r["keys"]) for r in records) / max(sum(int(r["rows"]) for r in records), 1)
+    except (ValueError, KeyError, TypeError):
+        return float(fields)

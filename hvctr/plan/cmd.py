@@ -131,7 +131,9 @@ def node_info(hwmap: HardwareMap, ranks_per_node: int, threads: int = 0, ssd_byt
                     notes=tuple(notes + ([gpu_note] if gpu_note else [])))
 
 
-def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows: int) -> Job:
+def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows: int,
+             keys_per_row: float = 0.0) -> Job:
+    """``keys_per_row``: a sample's keys where fields are multi-valued (the curve's), 0: one a field."""
     s, m = cfg.storage, resolve_merge(cfg.merge, nodes * ranks_per_node)
     return Job(nodes=nodes, ranks_per_node=ranks_per_node, keys=keys, dim=s.dim,
                batch_size_per_rank=(cfg.data.global_batch_size // (nodes * ranks_per_node) or 1
@@ -149,7 +151,8 @@ def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows:
                # as the exchange decides: no pulling ahead where keys are admitted by count or rows expire
                pull_ahead=s.pull_ahead and s.admit_after <= 1 and s.ttl_passes == 0, push_behind=s.push_behind,
                sparse_optimizer=cfg.train.sparse_optimizer,
-               write_behind=s.write_behind)
+               write_behind=s.write_behind,
+               keys_per_row=keys_per_row if keys_per_row != cfg.model.num_fields else 0.0)
 
 
 def _config(args: argparse.Namespace, overrides: list[str]) -> Config:
@@ -188,7 +191,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ValueError(f"{args.rates}: nic_bytes_per_s is 0 (not measured on one node): pass --nic-gbps for "
                          f"{args.nodes} nodes")
     node = node_info(hwmap, rpn, args.threads_per_rank, args.ssd_bytes, args.gpu_memory_bytes, args.memory_bytes)
-    p = plan(job_from(cfg, args.nodes, rpn, keys, pass_rows), node, entry, curve)
+    p = plan(job_from(cfg, args.nodes, rpn, keys, pass_rows, keys_per_row=curve.fields), node, entry, curve)
     if args.data and args.keys and curve.keys > args.keys:
         p.fits.append(("table", NO_FIT,
                        f"the data holds {curve.keys:,.0f} distinct keys, more than --keys {args.keys:,}"))

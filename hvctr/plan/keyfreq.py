@@ -64,7 +64,7 @@ class KeyCurve:
 
     rows: tuple[float, ...]  # ascending row counts
     distinct: tuple[float, ...]  # expected distinct keys at each
-    fields: int  # keys per row
+    fields: float  # keys per row (a mean where fields are multi-valued)
     keys: float = math.inf  # the key space: D never exceeds it
     source: str = ""  # how the curve was made, for the plan's report
     # For hit_rate: ("zipf", exponent) or ("counts", keys' counts in the sample, descending,
@@ -151,25 +151,35 @@ def zipf_curve(keys: int, exponent: float, fields: int, max_rows: float = 1e13) 
 # measured on data --------------------------------------------------------------------
 
 
-def _read_keys(data_dir: str, records: list[dict], max_rows: int) -> np.ndarray:
+def _read_keys(data_dir: str, records: list[dict], max_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the first ``max_rows`` train rows' keys, flat, row by row; int64 [rows + 1] row offsets
+    into them): one key a field in format version 1, 0..n in version 2's multi-valued fields."""
     import h5py
 
-    parts, have = [], 0
+    parts, ends, have = [], [np.zeros(1, np.int64)], 0
     for rec in records:
         if have >= max_rows:
             break
         with h5py.File(os.path.join(data_dir, rec["file"]), "r") as f:
             take = min(int(rec["rows"]), max_rows - have)
-            parts.append(f["keys"][:take])
+            if "offsets" in f:  # multi-valued
+                off = f["offsets"][:take + 1].astype(np.int64)
+                parts.append(f["keys"][:int(off[-1])])
+            else:
+                keys = f["keys"][:take]
+                off = np.arange(take + 1, dtype=np.int64) * keys.shape[1]
+                parts.append(keys.reshape(-1))
+            ends.append(off[1:] + ends[-1][-1])
             have += take
     if not parts:
         raise ValueError(f"{data_dir}: the train split has no rows")
-    return np.concatenate(parts)
+    return np.concatenate(parts), np.concatenate(ends)
 
 
-def _mean_distinct(sample: np.ndarray, n: int) -> float:
-    windows = min(sample.shape[0] // n, _WINDOWS)
-    return float(np.mean([np.unique(sample[w * n:(w + 1) * n]).shape[0] for w in range(windows)]))
+def _mean_distinct(keys: np.ndarray, row_offsets: np.ndarray, n: int) -> float:
+    windows = min((row_offsets.size - 1) // n, _WINDOWS)
+    return float(np.mean([np.unique(keys[row_offsets[w * n]:row_offsets[(w + 1) * n]]).shape[0]
+                          for w in range(windows)]))
 
 
 def _split_distinct(data_dir: str, records: list[dict]) -> float:
@@ -192,15 +202,16 @@ def data_curve(data_dir: str, sample_rows: int = 1 << 20) -> KeyCurve:
     manifest = load_manifest(data_dir)
     records = manifest["shards"]["train"]
     total = int(sum(r["rows"] for r in records))
-    sample = _read_keys(data_dir, records, min(sample_rows, total))
-    n_s, fields = sample.shape
+    sample, row_offsets = _read_keys(data_dir, records, min(sample_rows, total))
+    n_s = row_offsets.size - 1
+    fields = sample.size / n_s  # keys a row: model.num_fields, or multi-valued fields' mean
     # One sort gives every prefix's count (a key is new in the prefix that holds its first
     # occurrence) and each key's count; small windows are averaged over several instead.
-    _, first, counts = np.unique(sample.reshape(-1), return_index=True, return_counts=True)
-    first_row = np.sort(first // fields)
+    _, first, counts = np.unique(sample, return_index=True, return_counts=True)
+    first_row = np.sort(np.searchsorted(row_offsets, first, side="right") - 1)
     sizes = [1 << e for e in range(0, 64) if (1 << e) <= n_s]
     rows = [float(n) for n in sizes]
-    distinct = [_mean_distinct(sample, n) if n * fields * _WINDOWS <= _SMALL_KEYS
+    distinct = [_mean_distinct(sample, row_offsets, n) if n * fields * _WINDOWS <= _SMALL_KEYS
                 else float(np.searchsorted(first_row, n)) for n in sizes]
     if n_s not in sizes:
         rows.append(float(n_s))

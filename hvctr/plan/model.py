@@ -114,6 +114,14 @@ class Job:
     push_behind: PushBehind = PushBehind.AUTO
     write_behind: WriteBehind = WriteBehind.AUTO  # storage.write_behind (auto: on where the node's memory is a limit)
     sparse_optimizer: SparseOptimizer = SparseOptimizer.ADAM  # train.sparse_optimizer: the rows' states
+    # keys a sample holds: 0 is model.num_fields (one a field); multi-valued fields (data format
+    # version 2) hold more or fewer, their mean measured on the data (KeyCurve.fields)
+    keys_per_row: float = 0.0
+
+    @property
+    def row_keys(self) -> float:
+        """Keys a sample looks up: what the gather, the gradient sum and the window's dedup walk."""
+        return self.keys_per_row or float(self.model.num_fields)
 
     @property
     def layout(self) -> RowLayout:
@@ -435,7 +443,7 @@ def gpu_step_s(job: Job, g: GpuRates, batch_rows: float) -> float:
     Adam's bytes, and the step's kernels one after another (gpu_kernels_per_step: eager
     PyTorch's dispatch on the host, not the GPU, sets a small model's step). ``batch_rows`` (the
     batch's distinct rows) is kept for callers; their lazy Adam is in the keys' rate."""
-    B, F = job.batch_size_per_rank, job.model.num_fields
+    B, F = job.batch_size_per_rank, job.row_keys
     P = dense_params(job.model, job.dim)
     flops = dense_flops_per_sample(job.model, job.dim) * B
     moved = 28 * P  # dense Adam: p, g, m, v read, p, m, v written
@@ -447,7 +455,7 @@ def _window_times(job: Job, c: _Costs, curve: KeyCurve, hit: float, new_o: float
                   cache_entries: float, on_device: bool, threads: int, gpu: GpuRates | None = None) -> dict[str, float]:
     """Seconds of each phase of one window on one rank (see the module docstring)."""
     r, W, k, B, D = c.r, job.world_size, job.k, job.batch_size_per_rank, job.dim
-    F = job.model.num_fields
+    F = job.row_keys  # keys a sample: the batch's gather and gradient sum, the window's dedup
     row = job.layout.row_bytes
     f = (W - 1) / W
     u, u_b = curve(k * B), curve(B)
@@ -736,7 +744,9 @@ def _host_bytes_per_rank(job: Job, u: float, params: int, behind: float = 0.0) -
     ``behind`` rows a push left behind) + two windows of data + dense state + the shard's key
     filter, waiting index entries and recent positions + base."""
     row = job.layout.row_bytes
-    window_data = 2 * job.k * job.batch_size_per_rank * (SAMPLE_BYTES + 8 * job.model.num_fields)
+    # a sample's label, dense and keys, and a position (int64) a key; multi-valued: 2 bytes a field's length
+    extra = 0 if not job.keys_per_row else 8 * (job.row_keys - job.model.num_fields) + 2 * job.model.num_fields
+    window_data = 2 * job.k * job.batch_size_per_rank * (SAMPLE_BYTES + 8 * job.row_keys + extra)
     shard = memory_bytes(rows_per_rank(job.keys, job.world_size), job.max_load_factor, job.cpu_cache_bytes)
     ahead = u * row if job.prefetch and job.pull_ahead else 0.0  # storage.pull_ahead: the next window's rows
     return (job.cpu_cache_bytes + 3 * u * row + ahead + behind * row + window_data + 8 * params * 4 + shard
@@ -746,7 +756,7 @@ def _host_bytes_per_rank(job: Job, u: float, params: int, behind: float = 0.0) -
 def _device_bytes(job: Job, u: float, params: int) -> float:
     """Working set rows + the batch's gathered rows and their gradient + dense params, grads,
     Adam's m and v + activations and their gradients (float32)."""
-    B, D, F = job.batch_size_per_rank, job.dim, job.model.num_fields
+    B, D, F = job.batch_size_per_rank, job.dim, job.row_keys
     act = B * activations_per_sample(job.model, D)
     layout = job.layout
     return u * layout.row_bytes + 2 * B * F * layout.model_width * 4 + 4 * params * 4 + 2 * act * 4

@@ -150,6 +150,7 @@ def first_checkpoint_bytes(cfg: Config, size: int) -> tuple[int, int]:
     the first checkpoint (checkpoint.every_windows, or train.max_steps, steps x batch x fields)."""
     from hvctr.formats import RowLayout
     from hvctr.plan.model import dense_params, rows_per_rank
+    from hvctr.data.manifest import keys_per_row
     from hvctr.data.reader import load_manifest
 
     rows = cfg.storage.rows_per_rank
@@ -161,7 +162,8 @@ def first_checkpoint_bytes(cfg: Config, size: int) -> tuple[int, int]:
     k = 1 if cfg.merge.mode.value == "sync" else cfg.merge.every_k_steps
     steps = [n for n in (cfg.checkpoint.every_windows * k, cfg.train.max_steps) if n > 0]
     if steps:
-        rows = min(rows, min(steps) * cfg.data.batch_size_per_rank * cfg.model.num_fields)
+        per_row = keys_per_row(cfg.data.train_dir, cfg.model.num_fields)
+        rows = min(rows, int(min(steps) * cfg.data.batch_size_per_rank * per_row))
     dense = 3 * 4 * dense_params(cfg.model, cfg.storage.dim)
     return dense, dense + rows * (8 + RowLayout(cfg.storage.dim, cfg.train.sparse_optimizer).row_bytes + 4)
 
@@ -352,8 +354,11 @@ def rank_memory_beside_cache(cfg: Config) -> int:
     from hvctr.formats import RowLayout
     from hvctr.storage.shard import RECENT_POSITION_BYTES, recent_positions_for
 
+    from hvctr.data.manifest import keys_per_row
+
+    per_row = keys_per_row(cfg.data.train_dir, cfg.model.num_fields) if cfg.data.train_dir else cfg.model.num_fields
     rows = min(cfg.storage.max_working_set_rows,
-               cfg.merge.every_k_steps * cfg.data.batch_size_per_rank * cfg.model.num_fields // 2)
+               int(cfg.merge.every_k_steps * cfg.data.batch_size_per_rank * per_row) // 2)
     recent = recent_positions_for(cfg.storage.cpu_cache_bytes) * RECENT_POSITION_BYTES
     ahead = cfg.storage.pull_ahead and cfg.data.prefetch
     copies = WINDOW_ROW_COPIES + (2 if ahead else 0)  # the next window's, both sides
