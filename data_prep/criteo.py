@@ -4,6 +4,8 @@
         --input day_0.gz day_1.gz --out data/criteo --shards 64 --valid-fraction 0.05
     # Criteo Terabyte as DLRM and MLPerf split it: train on days 0-22, validate on day 23
     python -m data_prep criteo --input day_{0..22}.gz --valid-input day_23.gz --out data/tb --shards 256
+    # multi-valued fields: C3 and C21 hold 0..n values each, "a,b,c" (format version 2)
+    python -m data_prep criteo --input logs.tsv --out data/mv --shards 8 --multi-valued C3,C21
 
 Two phases, both parallel over processes, the output independent of their number:
 1. parse: each process parses its units (sources.py) into pieces under OUT/_work (pieces.py);
@@ -18,6 +20,11 @@ temporary name and renamed when complete; the manifest is rewritten the same way
 manifest records is checked on resume (its size, its HDF5 metadata): a damaged one is named and
 its unit parsed again. One job per --out: rank 0 holds ``<out>/data_prep.lock`` (a flock, as
 hvctr train's run directory lock) and a second job is refused at once, naming the holder.
+
+Multi-valued fields (--multi-valued C3,C21, --value-separator): their text is cut at the value
+separator and each value keyed as a one-valued one is; the shards are then format version 2
+(``lengths``, ``offsets``, flat ``keys``: hvctr.formats) and the manifest names the fields. Without
+them the output is version 1, as it always was.
 """
 
 from __future__ import annotations
@@ -38,9 +45,9 @@ import numpy as np
 import data_prep
 from hvctr import formats
 from data_prep.mpi import Comm, get_comm
-from hvctr.formats.lines import parse_block
-from data_prep.pieces import (FILE_OVERHEAD, ROW_BYTES, PieceBuilder, ShardWriter, piece_path, piece_problem,
-                              piece_shard_counts, write_error)
+from hvctr.formats.lines import RowFormat, check_value_sep, parse_block
+from data_prep.pieces import (FILE_OVERHEAD, KEY_BYTES, MULTI_ROW_BYTES, ROW_BYTES, PieceBuilder, ShardWriter,
+                              piece_path, piece_problem, piece_shard_counts, write_error)
 from hvctr.formats.dirlock import DirLock
 from hvctr.data.manifest import read_manifest
 from hvctr.formats.space import check_free_space
@@ -60,6 +67,7 @@ SPLIT_RULE = ("global line index g over all inputs in the order given, --valid-i
 SHARD_BATCH = 32  # output files one process keeps open at once in phase 2
 AUTO_CHUNKS = 256  # auto chunk size: enough units to balance many processes, few enough to record
 REPORT_SECONDS = 1.0  # how often a worker reports progress to rank 0
+_CSV = RowFormat.from_header(",".join(formats.COLUMN_NAMES).encode())  # --format csv's column separator
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,8 @@ class Job:
     piece_lines: int = 1 << 19
     progress_seconds: float = 10.0
     valid_inputs: tuple[str, ...] = ()  # every line of these is validation (Criteo Terabyte's day_23)
+    multi_valued: tuple[int, ...] = ()  # 0-based categorical fields that hold 0..n values (format version 2)
+    value_separator: str = ","  # between the values of a multi-valued field
 
     def __post_init__(self) -> None:
         if self.shards < 1:
@@ -84,6 +94,16 @@ class Job:
             raise ValueError(f"--chunk-mb must be at least 1/16, got {self.chunk_bytes / 2**20}")
         if self.piece_lines < 1:
             raise ValueError(f"--piece-lines must be >= 1, got {self.piece_lines}")
+        if list(self.multi_valued) != sorted(set(self.multi_valued)) or \
+                not all(0 <= f < NUM_FIELDS for f in self.multi_valued):
+            raise ValueError(f"--multi-valued: fields must be distinct and sorted in 0..{NUM_FIELDS - 1}, "
+                             f"got {list(self.multi_valued)}")
+        if self.multi_valued:  # a named format's column separator is known now; auto's: per file, in the plan
+            check_value_sep(self.value_sep, {"csv": _CSV, "tsv": RowFormat.tsv()}.get(self.format))
+
+    @property
+    def value_sep(self) -> bytes:
+        return self.value_separator.encode("utf-8")
 
     @property
     def work_dir(self) -> str:
@@ -113,6 +133,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--piece-lines", type=int, default=1 << 19,
                    help="lines per intermediate piece: a process holds one piece in memory (~300 bytes a line)")
     p.add_argument("--progress-seconds", type=float, default=10.0, help="progress line interval on rank 0")
+    p.add_argument("--multi-valued", default="", metavar="FIELDS",
+                   help="categorical fields that hold 0..n values each, by name: e.g. C3,C21 (user history, "
+                        "tags). Their text is split at --value-separator, empty values dropped, each value keyed "
+                        "as a one-valued value of that field is; the shards are then format version 2 "
+                        "(docs/data.md). Default: none (one value per field, format version 1)")
+    p.add_argument("--value-separator", default=",", metavar="SEP",
+                   help="the character between the values of a --multi-valued field (default ','; it must "
+                        "differ from the input's column separator: pass another for CSV input, e.g. '|')")
+
+
+def parse_fields(text: str, option: str = "--multi-valued") -> tuple[int, ...]:
+    """'C3,C21' -> (2, 20): categorical field names (any case), distinct, sorted 0-based indices."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    by_name = {n.lower(): i for i, n in enumerate(formats.CAT_NAMES)}
+    unknown = [n for n in names if n.lower() not in by_name]
+    if unknown:
+        raise ValueError(f"{option}: unknown field {unknown[0]!r}: name categorical fields "
+                         f"{formats.CAT_NAMES[0]}..{formats.CAT_NAMES[-1]}, comma-separated (e.g. C3,C21)")
+    if text.strip() and not names:
+        raise ValueError(f"{option}: no field named in {text!r}")
+    return tuple(sorted({by_name[n.lower()] for n in names}))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         try:  # the same arguments fail the same way on every process
             job = Job(tuple(args.input), os.path.abspath(args.out), args.shards, args.valid_fraction,
                       args.strict, args.format, int(args.chunk_mb * (1 << 20)), args.piece_lines,
-                      args.progress_seconds, tuple(args.valid_input))
+                      args.progress_seconds, tuple(args.valid_input), parse_fields(args.multi_valued),
+                      args.value_separator)
         except ValueError as e:
             raise _SharedError(str(e)) from e
         return run_job(comm, job)
@@ -239,7 +281,8 @@ def _batches(items: list[int], n: int) -> list[list[int]]:
 
 def process_unit(src: Source, unit: Unit, job: Job, session: int, tick: Callable[[int, int], None]) -> dict:
     pieces: list[dict] = []
-    cur = PieceBuilder(job.shards)
+    multi = bool(job.multi_valued)
+    cur = PieceBuilder(job.shards, multi)
     for data, nbytes in iter_blocks(src, unit):
         rows = 0
         while data:
@@ -249,7 +292,7 @@ def process_unit(src: Source, unit: Unit, job: Job, session: int, tick: Callable
                 head, data = data[:cut], data[cut:]
             else:
                 head, data = data, b""
-            blk = parse_block(head, src.fmt)
+            blk = parse_block(head, src.fmt, job.multi_valued, job.value_sep)
             if blk.bad and job.strict:
                 line = job.piece_lines * len(pieces) + cur.lines + blk.bad[0][0]
                 raise ValueError(f"{src.path}:{_file_line(src, unit, line)}: {blk.bad[0][1]}")
@@ -257,7 +300,7 @@ def process_unit(src: Source, unit: Unit, job: Job, session: int, tick: Callable
             cur.add(blk)
             if cur.lines == job.piece_lines:
                 pieces.append(cur.write(piece_path(job.work_dir, unit.id, len(pieces))))
-                cur = PieceBuilder(job.shards)
+                cur = PieceBuilder(job.shards, multi)
         tick(nbytes, rows)
     if cur.lines:
         pieces.append(cur.write(piece_path(job.work_dir, unit.id, len(pieces))))
@@ -283,25 +326,28 @@ def assemble_shards(job: Job, asm: Assembly, batch: list[int], tick: Callable[[i
     """Writes the train and valid files of the shards in ``batch``; returns their records."""
     S = job.shards
     writers: dict[tuple[str, int], ShardWriter] = {}
+    # multi-valued fields: a shard's keys dataset is sized when created, so its keys are counted first
+    keys = _shard_keys(job, asm, batch) if job.multi_valued else None
     try:
         try:  # the space first: HDF5 cannot always close a file whose write failed for lack of it
-            check_free_space(job.out, sum(asm.rows[split][s] * ROW_BYTES + FILE_OVERHEAD
-                                          for s in batch for split in SPLITS))
+            if keys is None:
+                need = sum(asm.rows[split][s] * ROW_BYTES + FILE_OVERHEAD for s in batch for split in SPLITS)
+            else:
+                need = sum((asm.rows[split][s] + 1) * MULTI_ROW_BYTES + keys[split, s] * KEY_BYTES + FILE_OVERHEAD
+                           for s in batch for split in SPLITS)
+            check_free_space(job.out, need)
         except OSError as e:
             raise write_error(os.path.join(job.out, formats.shard_name(SPLITS[0], batch[0])), e) from None
         for s in batch:
             for split in SPLITS:
                 writers[split, s] = ShardWriter(os.path.join(job.out, formats.shard_name(split, s)),
-                                                asm.rows[split][s], split, s, S)
+                                                asm.rows[split][s], split, s, S,
+                                                None if keys is None else keys[split, s])
         for path, offset, lines, bad in asm.pieces:
             train, valid = piece_shard_counts(offset, lines, bad, S, asm.cutoff)
             if not any(train[s] + valid[s] for s in batch):
                 continue
-            try:
-                f = h5py.File(path, "r")
-            except OSError as e:  # not the disk's space: the piece, damaged since it was written
-                raise ValueError(_damaged_piece(path, e)) from None
-            with f:
+            with _open_piece(path) as f:
                 goff = f.attrs["goff"]
                 by_residue = (train + valid)[(offset + np.arange(S)) % S]
                 if not np.array_equal(np.diff(goff), by_residue):
@@ -309,16 +355,13 @@ def assemble_shards(job: Job, asm: Assembly, batch: list[int], tick: Callable[[i
                                      f"delete {job.work_dir} and run again")
                 n = 0
                 for s in batch:
-                    a = int(goff[(s - offset) % S])
                     t, v = int(train[s]), int(valid[s])
                     if t + v == 0:
                         continue
-                    try:
-                        lab, den, key = f["labels"][a:a + t + v], f["dense"][a:a + t + v], f["keys"][a:a + t + v]
-                    except (OSError, KeyError) as e:
-                        raise ValueError(_damaged_piece(path, e)) from None
-                    writers["train", s].write(lab[:t], den[:t], key[:t])
-                    writers["valid", s].write(lab[t:], den[t:], key[t:])
+                    g = (s - offset) % S
+                    head, tail = _read_group(f, path, int(goff[g]), g, t, v, keys is not None)
+                    writers["train", s].write(*head)
+                    writers["valid", s].write(*tail)
                     n += t + v
             tick(0, n)
         return [writers[split, s].close() for s in batch for split in SPLITS]
@@ -332,6 +375,61 @@ def assemble_shards(job: Job, asm: Assembly, batch: list[int], tick: Callable[[i
             if w.file.id.valid:
                 w.abandon()
         raise
+
+
+def _open_piece(path: str) -> h5py.File:
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:  # not the disk's space: the piece, damaged since it was written
+        raise ValueError(_damaged_piece(path, e)) from None
+
+
+def _read_group(f: h5py.File, path: str, a: int, g: int, t: int, v: int, multi: bool) -> tuple[tuple, tuple]:
+    """Group g of a piece (rows a.., its t training rows, then its v validation rows) as the arguments of
+    ShardWriter.write for the train and for the valid shard. With multi-valued fields the keys of
+    the group are the slice kgoff[g]:kgoff[g + 1], cut where the training rows' keys end."""
+    try:
+        lab, den = f["labels"][a:a + t + v], f["dense"][a:a + t + v]
+        if not multi:
+            key = f["keys"][a:a + t + v]
+            return (lab[:t], den[:t], key[:t]), (lab[t:], den[t:], key[t:])
+        kgoff = f.attrs["kgoff"]
+        lengths = f["lengths"][a:a + t + v]
+        key = f["keys"][int(kgoff[g]):int(kgoff[g + 1])]
+    except (OSError, KeyError) as e:
+        raise ValueError(_damaged_piece(path, e)) from None
+    kt = int(lengths[:t].sum(dtype=np.int64))
+    if len(key) != int(lengths.sum(dtype=np.int64)):
+        raise ValueError(_damaged_piece(path, ValueError("its keys do not match its lengths")))
+    return (lab[:t], den[:t], key[:kt], lengths[:t]), (lab[t:], den[t:], key[kt:], lengths[t:])
+
+
+def _shard_keys(job: Job, asm: Assembly, batch: list[int]) -> dict[tuple[str, int], int]:
+    """Keys of each shard of ``batch`` in each split, from the pieces' group key offsets (and, in a
+    group that the split cuts, its training rows' lengths); reads no keys."""
+    S = job.shards
+    keys = {(split, s): 0 for s in batch for split in SPLITS}
+    for path, offset, lines, bad in asm.pieces:
+        train, valid = piece_shard_counts(offset, lines, bad, S, asm.cutoff)
+        if not any(train[s] + valid[s] for s in batch):
+            continue
+        with _open_piece(path) as f:
+            try:
+                goff, kgoff = f.attrs["goff"], f.attrs["kgoff"]
+                for s in batch:
+                    g = (s - offset) % S
+                    t, v = int(train[s]), int(valid[s])
+                    total = int(kgoff[g + 1] - kgoff[g])
+                    if t and v:
+                        a = int(goff[g])
+                        kt = int(f["lengths"][a:a + t].sum(dtype=np.int64))
+                    else:
+                        kt = total if t else 0
+                    keys["train", s] += kt
+                    keys["valid", s] += total - kt
+            except (OSError, KeyError) as e:
+                raise ValueError(_damaged_piece(path, e)) from None
+    return keys
 
 
 def _damaged_piece(path: str, e: Exception) -> str:
@@ -392,6 +490,9 @@ class Tracker:
     def plan(self) -> Plan:
         job = self.job
         sources = open_sources([*job.inputs, *job.valid_inputs], job.format)
+        if job.multi_valued:
+            for src in sources:
+                check_value_sep(job.value_sep, src.fmt, where=f"{src.path}: ")
         _check_shards_fit(job, sources[:len(job.inputs)])  # before anything is written
         _prepare_out_dir(job.out)
         self.lock = output_lock(job.out).acquire()  # before the manifest is read: one job per --out
@@ -417,7 +518,7 @@ class Tracker:
             self.manifest = old
             shutil.rmtree(job.work_dir, ignore_errors=True)  # a kill after the manifest, before cleanup
             return Plan(sources, units, [], 0, complete=True)
-        m = old if old is not None else _new_manifest(ident, sources, len(units), job.shards)
+        m = old if old is not None else _new_manifest(ident, sources, len(units), job.shards, job)
         _forget_unfinished(m, job)
         os.makedirs(job.work_dir, exist_ok=True)
         for stale in glob.glob(os.path.join(job.out, "*.h5.tmp")) + glob.glob(os.path.join(job.work_dir, "*.tmp")):
@@ -550,11 +651,19 @@ def auto_chunk_bytes(sources: list[Source]) -> int:
 
 
 def _identity(job: Job, sources: list[Source], chunk_bytes: int, num_units: int) -> dict:
-    return {"shards": job.shards, "valid_fraction": job.valid_fraction, "strict": job.strict,
-            "valid_inputs": len(job.valid_inputs),
-            "chunk_bytes": chunk_bytes, "piece_lines": job.piece_lines, "units": num_units,
-            "inputs": [{"path": s.path, "size": s.size, "mtime_ns": os.stat(s.path).st_mtime_ns}
-                       for s in sources]}
+    ident = {"shards": job.shards, "valid_fraction": job.valid_fraction, "strict": job.strict,
+             "valid_inputs": len(job.valid_inputs),
+             "chunk_bytes": chunk_bytes, "piece_lines": job.piece_lines, "units": num_units,
+             "inputs": [{"path": s.path, "size": s.size, "mtime_ns": os.stat(s.path).st_mtime_ns}
+                        for s in sources]}
+    if job.multi_valued:  # absent without: a one-valued job's identity is what it always was
+        ident["multi_valued"] = _multi_valued(job)
+    return ident
+
+
+def _multi_valued(job: Job) -> dict:
+    """The manifest's (and the job identity's) record of the multi-valued fields."""
+    return {"fields": list(job.multi_valued), "separator": job.value_separator}
 
 
 def _comparable(old: dict | None, new: dict) -> dict:
@@ -570,8 +679,8 @@ def _diff(old: dict | None, new: dict) -> str:
     if not isinstance(old, dict):
         return "no job recorded"
     new = _comparable(old, new)
-    keys = [k for k in new if old.get(k) != new[k]]
-    return ", ".join(f"{k}: {old.get(k)} -> {new[k]}" if k != "inputs" else _inputs_diff(old.get(k), new[k])
+    keys = [k for k in new if old.get(k) != new[k]] + [k for k in old if k not in new]
+    return ", ".join(f"{k}: {old.get(k)} -> {new.get(k)}" if k != "inputs" else _inputs_diff(old.get(k), new[k])
                      for k in keys)
 
 
@@ -598,25 +707,40 @@ def _refuse_stray_shards(out: str) -> None:
                          "or its manifest was lost); they would be overwritten: use another --out or delete them")
 
 
-def _new_manifest(ident: dict, sources: list[Source], num_units: int, shards: int) -> dict:
-    return {
-        "format": formats.FORMAT, "format_version": formats.FORMAT_VERSION, "state": "in_progress",
-        "created_by": f"data_prep {data_prep.__version__}", "job": ident, "schema": _schema(),
+def _new_manifest(ident: dict, sources: list[Source], num_units: int, shards: int, job: Job) -> dict:
+    multi = bool(job.multi_valued)
+    m = {
+        "format": formats.FORMAT,
+        "format_version": formats.MULTI_VALUED_VERSION if multi else formats.FORMAT_VERSION,
+        "state": "in_progress",
+        "created_by": f"data_prep {data_prep.__version__}", "job": ident, "schema": _schema(multi),
         "sources": [{"path": s.path, "size": s.size, "format": s.fmt.kind, "gzip": s.gzip,
                      "header": list(s.fmt.header) or None} for s in sources],
         "sessions": [], "phase": "parse",
         "units": [None] * num_units,
         "shards": {split: [None] * shards for split in SPLITS},
     }
+    if multi:
+        m["multi_valued"] = _multi_valued(job)
+    return m
 
 
-def _schema() -> dict:
+def _schema(multi: bool = False) -> dict:
+    if multi:
+        keys = {"lengths": {"dtype": "uint16", "shape": ["N", NUM_FIELDS], "columns": formats.CAT_NAMES,
+                            "what": "keys of each field of each row (1 in a one-valued field)"},
+                "offsets": {"dtype": "int64", "shape": ["N + 1"],
+                            "what": "row r's keys are keys[offsets[r]:offsets[r + 1]]; offsets[0] = 0"},
+                "keys": {"dtype": "uint64", "shape": ["offsets[N]"],
+                         "what": "row by row; in a row field by field (C1 first); in a field in line order"}}
+    else:
+        keys = {"keys": {"dtype": "uint64", "shape": ["N", NUM_FIELDS], "columns": formats.CAT_NAMES}}
     return {
         "columns": formats.COLUMN_NAMES,
         "datasets": {"labels": {"dtype": "float32", "shape": ["N"]},
                      "dense": {"dtype": "float32", "shape": ["N", NUM_DENSE],
                                "columns": formats.DENSE_NAMES, "transform": "log1p(max(x, 0)); missing -> 0"},
-                     "keys": {"dtype": "uint64", "shape": ["N", NUM_FIELDS], "columns": formats.CAT_NAMES},
+                     **keys,
                      "key_sketch": {"dtype": "uint8", "shape": [NUM_FIELDS, 1 << formats.SKETCH_BITS],
                                     "what": "HyperLogLog registers per field"}},
         "key_rule": ("hex value of 1..16 digits: mix64((f << 56) ^ int(v, 16)); other values: "
@@ -761,6 +885,7 @@ def _finish(m: dict, job: Job) -> None:
         "missing": dict(zip(formats.DENSE_NAMES + formats.CAT_NAMES, (int(x) for x in missing))),
         "distinct_keys_estimate": dict(zip(formats.CAT_NAMES, (int(round(x)) for x in distinct))),
         "distinct_keys_estimate_total": int(round(distinct.sum())),
-        "keys": rows * NUM_FIELDS,
+        "keys": sum(r["keys"] for split in SPLITS for r in m["shards"][split]) if job.multi_valued
+        else rows * NUM_FIELDS,
     }
     m["state"], m["phase"] = "complete", "complete"

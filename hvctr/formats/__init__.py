@@ -84,6 +84,14 @@ class KeySketch:
         idx = low + np.arange(NUM_FIELDS, dtype=np.int64) * m
         np.maximum.at(self.registers.reshape(-1), idx.reshape(-1), rank.reshape(-1))
 
+    def update_fields(self, keys: np.ndarray, fields: np.ndarray) -> None:
+        """``update`` for flat keys (a version 2 shard's): ``fields`` names each key's field, 0..25."""
+        m = 1 << SKETCH_BITS
+        low = (keys & np.uint64(m - 1)).astype(np.int64)
+        rest = keys >> np.uint64(SKETCH_BITS)
+        rank = (65 - SKETCH_BITS - np.frexp(rest.astype(np.float64))[1]).astype(np.uint8)
+        np.maximum.at(self.registers.reshape(-1), low + np.asarray(fields, dtype=np.int64) * m, rank)
+
     def merge(self, other: "KeySketch") -> None:
         np.maximum(self.registers, other.registers, out=self.registers)
 

@@ -159,8 +159,8 @@ def test_one_valued_parse_is_unchanged_without_multi_valued_fields():
 @pytest.mark.parametrize("sep, fmt, msg", [(b",", RowFormat.from_header(",".join(formats.COLUMN_NAMES).encode()),
                                             "is the column separator of CSV input"),
                                            (b"\t", RowFormat.tsv(), "is the column separator of TSV input"),
-                                           (b"\n", RowFormat.tsv(), "one character other than a line end"),
-                                           (b";;", RowFormat.tsv(), "one character")])
+                                           (b"\n", RowFormat.tsv(), "one ASCII character other than a line end"),
+                                           (b";;", RowFormat.tsv(), "one ASCII character")])
 def test_a_value_separator_that_cannot_work_is_refused(sep, fmt, msg):
     with pytest.raises(ValueError, match=msg):
         parse_block(b"", fmt, (2,), sep)
