@@ -22,6 +22,13 @@ The hidden model (all of it a function of --seed):
   Per-value effects and embeddings are hashed from (seed, field, value): no table, so memory
   does not grow with the vocabularies. The scale and bias are set on a calibration sample so
   that the Bayes-optimal AUC is --target-auc (0.80) and the positive rate --positive-rate (0.25).
+- --multi-hot SIZES (MLPerf DLRM-DCNv2's multi_hot_sizes: 26 integers, or C3=20,C21=100 for a
+  few fields, the others 1): a field of size K > 1 is multi-valued. A row draws its number of
+  values uniformly in 0..K (empty bags included) and that many values from the field's own
+  distribution; the mean of their (weighted) effects and embeddings stands where a one-valued
+  field's single value's would (an empty bag: the missing value's). The TSV joins a bag's values
+  with ","; pass ``--multi-valued <those fields>`` to ``data_prep criteo``. The bags come from a
+  stream of their own, so the other fields' values are those of the same seed without it.
 - label ~ Bernoulli(sigmoid(logit)); --truth-out gets sigmoid(logit) of every row, one per line.
 - Days (--day D, --drift F): the same fields, values and keys every day, fresh rows, and
   per-value effects that walk from day to day, e_d = sqrt(1 - F) e_{d-1} + sqrt(F) n_d (n_d
@@ -43,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvctr.formats import NUM_FIELDS, NUM_DENSE
+from hvctr.formats import CAT_NAMES, MAX_FIELD_KEYS, NUM_FIELDS, NUM_DENSE
 from hvctr.formats import mix64
 
 CHUNK_ROWS = 1 << 14  # small enough that the temporaries stay in cache: ~2x faster than 2^16
@@ -94,12 +101,51 @@ class Model:
     unique_fields: int = 0  # the last this many fields carry a value unique to the row (an id), no signal
     tail_signal: float = 0.0  # S of _tail_weight: 0 rare values carry little signal, 1 full weight
     shape: str = "criteo"
+    multi_hot: tuple[int, ...] = ()  # 26 bag sizes (--multi-hot), or () when every field holds one value
+
+    @property
+    def multi_fields(self) -> list[int]:
+        """The multi-valued fields (bag size > 1), 0-based."""
+        return [f for f, k in enumerate(self.multi_hot) if k > 1]
+
+
+def parse_multi_hot(text: str) -> tuple[int, ...]:
+    """--multi-hot: 26 comma-separated sizes, or NAME=SIZE pairs (C3=20,C21=100; the rest 1).
+    Returns the 26 sizes, or () when no field holds more than one value."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        return ()
+    if any("=" in t for t in items):
+        sizes = [1] * NUM_FIELDS
+        by_name = {n.lower(): i for i, n in enumerate(CAT_NAMES)}
+        for t in items:
+            name, _, size = t.partition("=")
+            if name.strip().lower() not in by_name:
+                raise ValueError(f"--multi-hot: unknown field {name.strip()!r} in {t!r}: name fields C1..C26 "
+                                 "(e.g. C3=20,C21=100)")
+            sizes[by_name[name.strip().lower()]] = _size(size, t)
+    else:
+        if len(items) != NUM_FIELDS:
+            raise ValueError(f"--multi-hot: {len(items)} sizes, want {NUM_FIELDS} (one per field C1..C26, as "
+                             "MLPerf's multi_hot_sizes) or NAME=SIZE pairs (C3=20,C21=100)")
+        sizes = [_size(t, t) for t in items]
+    return tuple(sizes) if max(sizes) > 1 else ()
+
+
+def _size(text: str, item: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"--multi-hot: {item!r}: a size must be an integer") from None
+    if not 1 <= k <= MAX_FIELD_KEYS:
+        raise ValueError(f"--multi-hot: {item!r}: a size must be in 1..{MAX_FIELD_KEYS}")
+    return k
 
 
 @functools.lru_cache(maxsize=4)
 def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25,
                 day: int = 0, drift: float = 0.0, unique_fields: int = 0, tail_signal: float = 0.0,
-                shape: str = "criteo") -> Model:
+                shape: str = "criteo", multi_hot: tuple[int, ...] = ()) -> Model:
     """The hidden model of a seed (on a day), scaled and shifted to the target AUC and positive
     rate (cached: a Model is immutable and costs about a second to calibrate)."""
     if day < 0 or not 0.0 <= drift <= 1.0:
@@ -110,6 +156,11 @@ def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25
         raise ValueError(f"--tail-signal must be in [0, 1], got {tail_signal}")
     if shape not in SHAPES:
         raise ValueError(f"--shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if multi_hot and (len(multi_hot) != NUM_FIELDS or min(multi_hot) < 1):
+        raise ValueError(f"--multi-hot: {NUM_FIELDS} sizes of at least 1, got {list(multi_hot)}")
+    if multi_hot and unique_fields and max(multi_hot[NUM_FIELDS - unique_fields:]) > 1:
+        raise ValueError(f"--multi-hot and --unique-fields {unique_fields}: the last {unique_fields} fields hold a "
+                         "row's id, one value; name other fields multi-valued")
     rng = np.random.default_rng([seed, 0])
     m = Model(
         seed=seed, day=day, drift=drift, unique_fields=unique_fields, tail_signal=tail_signal, shape=shape,
@@ -125,6 +176,7 @@ def build_model(seed: int, target_auc: float = 0.80, positive_rate: float = 0.25
         dense_pairs=np.array([rng.choice(NUM_DENSE, 2, replace=False) for _ in range(NUM_DENSE_PAIRS)]),
         dense_pair_scale=rng.normal(0.0, 0.25, NUM_DENSE_PAIRS),
         pair_fields=np.zeros(0, dtype=np.int64), pair_index=np.zeros((0, 2), dtype=np.int64),
+        multi_hot=tuple(multi_hot),
     )
     if shape == "loguniform":  # its own stream: the criteo shape's draws above stay as they were
         alt = np.random.default_rng([seed, 5])
@@ -170,19 +222,32 @@ def _embeddings(h: np.ndarray) -> np.ndarray:
     return (parts.astype(np.float32) * np.float32(2.0 ** -16) - np.float32(0.5)) * np.float32(np.sqrt(12.0))
 
 
+def _zipf_ids(m: Model, u: np.ndarray, f: "slice | int" = slice(None)) -> np.ndarray:
+    """Value ids of field(s) f from uniforms in [0, 1): the continuous inverse CDF of (k + q)^-a
+    on [0, V), floored."""
+    one = 1.0 - m.zipf_a[f]
+    lo, hi = m.zipf_q[f] ** one, (m.vocab[f] + m.zipf_q[f]) ** one
+    x = np.exp(np.log(lo + np.maximum(u, 0.0) * (hi - lo)) * (1.0 / one)) - m.zipf_q[f]
+    return np.minimum(x.astype(np.int64), m.vocab[f] - 1)
+
+
 def _draw(m: Model, rng: np.random.Generator, n: int, first_row: int = 0):
     """One chunk: value ids [n,26] (-1 missing), integers [n,13], their missing mask, and the
     logit before scale and bias. The last ``m.unique_fields`` fields hold the row's index
     (``first_row`` + i: a key seen once, as a request or user id is) and take no part in the logit."""
+    return _draw_rows(m, rng, n, first_row)[:4]
+
+
+def _draw_rows(m: Model, rng: np.random.Generator, n: int, first_row: int = 0):
+    """_draw, and the bags of the multi-valued fields: {field: (ids [n, K], counts [n])}, the
+    slots past a row's count (all of an empty bag's) -1. A multi-valued field's column of ids is
+    drawn (the stream stays that of the seed without --multi-hot) but the bag stands for it."""
     # one uniform per value: below the missing rate it is missing, else rescaled and put
     # through the continuous inverse CDF of (k + q)^-a on [0, V), floored
     u = rng.random((n, NUM_FIELDS))
     miss = u < m.cat_missing
     u = (u - m.cat_missing) / (1.0 - m.cat_missing)
-    one = 1.0 - m.zipf_a
-    lo, hi = m.zipf_q ** one, (m.vocab + m.zipf_q) ** one
-    x = np.exp(np.log(lo + np.maximum(u, 0.0) * (hi - lo)) * (1.0 / one)) - m.zipf_q
-    ids = np.minimum(x.astype(np.int64), m.vocab - 1)
+    ids = _zipf_ids(m, u)
     ids[miss] = -1
     z = rng.standard_normal((n, NUM_DENSE))
     ints = np.minimum(np.exp(m.dense_mu + m.dense_sigma * z), MAX_INT).astype(np.int64)
@@ -196,16 +261,42 @@ def _draw(m: Model, rng: np.random.Generator, n: int, first_row: int = 0):
         ids[:, u0:] = (first_row + np.arange(n, dtype=np.int64))[:, None]
         weight[:, u0:] = 0.0
     h = mix64(ids.astype(np.uint64) ^ m.salts)  # missing (-1) hashes like any other value
-    logit = (_value_effects(m, h) * weight) @ m.cat_scale
+    effects = _value_effects(m, h) * weight
+    emb = _embeddings(h[:, m.pair_fields]) * weight[:, m.pair_fields, None]  # [n, F, 4]
+    bags = _draw_bags(m, rng, n, effects, emb) if m.multi_hot else {}
+    logit = effects @ m.cat_scale
     zd = (np.log1p(np.maximum(ints, 0)) - m.dense_mu) / m.dense_sigma
     zd[dmiss] = 0.0
     logit += zd @ m.dense_beta + dmiss @ m.dense_missing_effect
-    emb = _embeddings(h[:, m.pair_fields]) * weight[:, m.pair_fields, None]  # [n, F, 4]
     a, b = m.pair_index[:, 0], m.pair_index[:, 1]
     dots = np.einsum("npk,npk->np", emb[:, a], emb[:, b])
     logit += dots @ (m.pair_scale / np.sqrt(EMB_DIM))
     logit += (zd[:, m.dense_pairs[:, 0]] * zd[:, m.dense_pairs[:, 1]]) @ m.dense_pair_scale
-    return ids, ints, dmiss, logit
+    return ids, ints, dmiss, logit, bags
+
+
+def _draw_bags(m: Model, rng: np.random.Generator, n: int, effects: np.ndarray, emb: np.ndarray) -> dict:
+    """Draws the multi-valued fields' bags from a child stream of ``rng`` (the parent's draws stay
+    as without them) and puts the mean of each bag's weighted effects (and, in a pair field,
+    embeddings) in its field's column of ``effects`` [n, 26] (``emb`` [n, F, 4]), in place. An
+    empty bag counts as the missing value (id -1), as an empty one-valued field does."""
+    sub = rng.spawn(1)[0]
+    bags = {}
+    for f in m.multi_fields:
+        size = m.multi_hot[f]
+        counts = sub.integers(0, size + 1, n)  # 0..K: empty bags too
+        ids = _zipf_ids(m, sub.random((n, size)), f)
+        ids[np.arange(size) >= counts[:, None]] = -1  # unused slots; an empty bag's first is its "missing"
+        used = np.arange(size) < np.maximum(counts, 1)[:, None]
+        h = mix64(ids.astype(np.uint64) ^ m.salts[f])
+        w = _tail_weight(ids, m.tail_signal) * used
+        denom = used.sum(axis=1)
+        effects[:, f] = (_value_effects(m, h) * w).sum(axis=1) / denom
+        at = np.flatnonzero(m.pair_fields == f)
+        if at.size:
+            emb[:, at[0]] = (_embeddings(h) * w[:, :, None].astype(np.float32)).sum(axis=1) / denom[:, None]
+        bags[f] = (ids, counts)
+    return bags
 
 
 def _tail_weight(ids: np.ndarray, tail_signal: float = 0.0) -> np.ndarray:
@@ -256,11 +347,18 @@ def _calibrate(z: np.ndarray, target_auc: float, rate: float) -> tuple[float, fl
 def sample_chunk(m: Model, chunk: int, n: int):
     """Rows of one chunk: labels (uint8), integers, their missing mask, hex values (uint32),
     categorical missing mask, true probabilities."""
+    return sample_rows(m, chunk, n)[:6]
+
+
+def sample_rows(m: Model, chunk: int, n: int):
+    """sample_chunk, and the bags of the multi-valued fields as {field: (hex values [n, K]
+    (uint32), counts [n])}: a row's values are the first count of its row."""
     rng = rng_for(m.seed, chunk, day=m.day)
-    ids, ints, dmiss, z = _draw(m, rng, n, first_row=chunk * CHUNK_ROWS)
+    ids, ints, dmiss, z, bags = _draw_rows(m, rng, n, first_row=chunk * CHUNK_ROWS)
     p = _sigmoid(m.bias + m.scale * z)
     labels = (rng.random(n) < p).astype(np.uint8)
-    return labels, ints, dmiss, _hex_values(ids, m.salts), ids < 0, p
+    hex_bags = {f: (_hex_values(b, m.salts[f]), counts) for f, (b, counts) in bags.items()}
+    return labels, ints, dmiss, _hex_values(ids, m.salts), ids < 0, p, hex_bags
 
 
 def _hex_values(ids: np.ndarray, salts: np.ndarray) -> np.ndarray:
@@ -292,9 +390,11 @@ _POW10_ASC = 10 ** np.arange(1, 12, dtype=np.int64)
 
 
 def format_tsv(labels: np.ndarray, ints: np.ndarray, dmiss: np.ndarray, hexv: np.ndarray,
-               cmiss: np.ndarray) -> bytes:
+               cmiss: np.ndarray, bags: dict | None = None) -> bytes:
     """Criteo TSV lines, built as a byte matrix and a keep-mask from 4-character lookup tables
-    (no per-row Python): an integer is [sign, 12 digits, tab], a hex value [8 digits, tab]."""
+    (no per-row Python): an integer is [sign, 12 digits, tab], a hex value [8 digits, tab].
+    ``bags`` ({field: (hex values [n, K], counts [n])}): those fields hold their first count
+    values joined by ',' instead of hexv's."""
     n = len(labels)
     a = np.abs(ints)
     iw = np.empty((n, NUM_DENSE, 4), dtype="<u4")  # sign+pad word, 3 words of 4 digits
@@ -322,9 +422,32 @@ def format_tsv(labels: np.ndarray, ints: np.ndarray, dmiss: np.ndarray, hexv: np
     lab = np.empty((n, 2), dtype=np.uint8)
     lab[:, 0] = labels + 48
     lab[:, 1] = 9
+    if bags:
+        parts = [(lab, np.ones((n, 2), dtype=bool)), (ib.reshape(n, -1), ik.reshape(n, -1))]
+        for f in range(NUM_FIELDS):
+            parts.append(_bag_bytes(*bags[f], cb[:, f, 8]) if f in bags else (cb[:, f], ck[:, f]))
+        mat = np.concatenate([b for b, _ in parts], axis=1)
+        keep = np.concatenate([k for _, k in parts], axis=1)
+        return mat[keep].tobytes()
     mat = np.concatenate([lab, ib.reshape(n, -1), cb.reshape(n, -1)], axis=1)
     keep = np.concatenate([np.ones((n, 2), dtype=bool), ik.reshape(n, -1), ck.reshape(n, -1)], axis=1)
     return mat[keep].tobytes()
+
+
+def _bag_bytes(hexv: np.ndarray, counts: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A multi-valued field's bytes [n, 9K + 1] and keep-mask: slot j is [8 digits, ','], kept for
+    j < count (its ',' for j < count - 1), then ``end`` [n] (the tab, or the line's newline)."""
+    n, size = hexv.shape
+    w = np.empty((n, size, 3), dtype="<u4")
+    w[:, :, 0] = _HEX4[hexv >> np.uint32(16)]
+    w[:, :, 1] = _HEX4[hexv & np.uint32(0xFFFF)]
+    w[:, :, 2] = ord(",")
+    slot = np.arange(size)
+    keep = np.empty((n, size, 9), dtype=bool)
+    keep[:, :, :8] = (slot < counts[:, None])[:, :, None]
+    keep[:, :, 8] = slot < counts[:, None] - 1
+    b = np.concatenate([w.view(np.uint8).reshape(n, size, 12)[:, :, :9].reshape(n, -1), end[:, None]], axis=1)
+    return b, np.concatenate([keep.reshape(n, -1), np.ones((n, 1), dtype=bool)], axis=1)
 
 
 def format_truth(p: np.ndarray) -> bytes:
@@ -374,14 +497,17 @@ class Scores:
 
 def generate(rows: int, seed: int, out: str, truth_out: str | None = None,
              target_auc: float = 0.80, positive_rate: float = 0.25, day: int = 0, drift: float = 0.0,
-             unique_fields: int = 0, tail_signal: float = 0.0, shape: str = "criteo") -> dict:
-    """Writes the TSV (and the truth file); returns the model's and the file's scores."""
+             unique_fields: int = 0, tail_signal: float = 0.0, shape: str = "criteo",
+             multi_hot: tuple[int, ...] = ()) -> dict:
+    """Writes the TSV (and the truth file); returns the model's and the file's scores.
+    ``multi_hot``: 26 bag sizes (parse_multi_hot), () for one value a field."""
     if rows < 1:
         raise ValueError(f"--rows must be >= 1, got {rows}")
     t0 = time.monotonic()
     if rows >= 1 << 32 and unique_fields:
         raise ValueError(f"--unique-fields: ids are 32-bit, so at most {(1 << 32) - 1:,} rows, got {rows:,}")
-    model = build_model(seed, target_auc, positive_rate, day, drift, unique_fields, tail_signal, shape)
+    model = build_model(seed, target_auc, positive_rate, day, drift, unique_fields, tail_signal, shape,
+                        tuple(multi_hot))
     scores = Scores()
     outs = [(out, out + ".tmp")] + ([(truth_out, truth_out + ".tmp")] if truth_out else [])
     try:
@@ -392,18 +518,21 @@ def generate(rows: int, seed: int, out: str, truth_out: str | None = None,
         for chunk, start in enumerate(range(0, rows, CHUNK_ROWS)):
             # a full chunk is drawn even at the end, so N rows are the first N of any longer file
             n = min(CHUNK_ROWS, rows - start)
-            labels, ints, dmiss, hexv, cmiss, p = (a[:n] for a in sample_chunk(model, chunk, CHUNK_ROWS))
-            files[0].write(format_tsv(labels, ints, dmiss, hexv, cmiss))
+            *cols, bags = sample_rows(model, chunk, CHUNK_ROWS)
+            labels, ints, dmiss, hexv, cmiss, p = (a[:n] for a in cols)
+            bags = {f: (b[:n], c[:n]) for f, (b, c) in bags.items()}
+            files[0].write(format_tsv(labels, ints, dmiss, hexv, cmiss, bags))
             if truth_out:
                 files[1].write(format_truth(p))
             scores.add(p, labels)
     for final, tmp in outs:
         os.replace(tmp, final)
-    return {"rows": rows, "seed": seed, "seconds": time.monotonic() - t0,
-            "model": {"scale": model.scale, "bias": model.bias, "target_auc": target_auc,
-                      "positive_rate": positive_rate, "day": day, "drift": drift, "unique_fields": unique_fields,
-                      "tail_signal": tail_signal, "shape": shape},
-            **scores.result()}
+    info = {"scale": model.scale, "bias": model.bias, "target_auc": target_auc,
+            "positive_rate": positive_rate, "day": day, "drift": drift, "unique_fields": unique_fields,
+            "tail_signal": tail_signal, "shape": shape}
+    if model.multi_hot:
+        info["multi_hot"] = list(model.multi_hot)
+    return {"rows": rows, "seed": seed, "seconds": time.monotonic() - t0, "model": info, **scores.result()}
 
 
 class _closing:
@@ -440,12 +569,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="criteo (default): Criteo's vocabularies, Zipf 1.05..1.4, 10 interaction pairs; "
                         "loguniform: vocabularies log-uniform 10..2M, Zipf 1.05..1.2, 8 pairs (a second, "
                         "structurally different data set)")
+    p.add_argument("--multi-hot", default="", metavar="SIZES",
+                   help="multi-valued fields: 26 comma-separated bag sizes (MLPerf DLRM-DCNv2's multi_hot_sizes, "
+                        "e.g. 3,2,1,2,6,1,1,1,1,7,3,8,1,6,9,5,1,1,1,12,100,27,10,3,1,1) or NAME=SIZE pairs "
+                        "(C3=20,C21=100; the others 1). A field of size K > 1 holds 0..K values a row, joined "
+                        "by ','; preprocess the file with data_prep criteo --multi-valued <those fields> "
+                        "(e.g. --multi-valued C3,C21). Default: one value a field")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        multi_hot = parse_multi_hot(args.multi_hot)
         r = generate(args.rows, args.seed, args.out, args.truth_out, args.target_auc, args.positive_rate,
-                     args.day, args.drift, args.unique_fields, args.tail_signal, args.shape)
+                     args.day, args.drift, args.unique_fields, args.tail_signal, args.shape, multi_hot)
     except ValueError as e:
         print(f"data_prep synth: error: {e}", file=sys.stderr)
         return 2
@@ -456,4 +592,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"synth: Bayes-optimal AUC expected {r['expected_auc']:.4f}, realised {r['realised_auc']:.4f}")
     print(f"synth: Bayes-optimal logloss expected {r['expected_logloss']:.4f}, realised {r['realised_logloss']:.4f}")
     print(f"synth: {r['seconds']:.1f} s, {r['rows'] / r['seconds'] / 1e3:.0f}k rows/s")
+    if multi_hot:
+        names = ",".join(CAT_NAMES[f] for f, k in enumerate(multi_hot) if k > 1)
+        print(f"synth: multi-valued fields {names} (values joined by ','); next: python -m data_prep criteo "
+              f"--input {args.out} --out DIR --shards S --multi-valued {names}")
     return 0
