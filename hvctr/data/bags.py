@@ -68,6 +68,11 @@ class Bags:
         return int(self.values.nbytes + self.lengths.nbytes)
 
 
+def concat_bags(parts: list[Bags]) -> Bags:
+    """The rows of ``parts``, one after another."""
+    return Bags(np.concatenate([p.values for p in parts]), np.concatenate([p.lengths for p in parts]))
+
+
 def empty_bags(fields: int, dtype=np.uint64) -> Bags:
     return Bags(np.zeros(0, dtype=dtype), np.zeros((0, fields), dtype=np.uint16))
 

@@ -293,6 +293,9 @@ def _manifest(cfg: Config, reader: CheckpointReader, files: list[dict], dense_na
         "unseen_keys": {"row": "default" if s.admit_after > 1 else "init", "init_scale": s.init_scale,
                         "seed": s.seed},
         "batch_size": cfg.data.batch_size_per_rank,  # the trainer's evaluation batches
+        # the training data's multi-valued fields ({"fields", "separator"}; None: one key a field):
+        # hvctr score parses its input as data_prep parsed the training data
+        "multi_valued": m.get("multi_valued"),
         "world_size": reader.world_size, "rows": rows, "files": files,
         "source": {"checkpoint": str(reader.path.resolve()), "seq": m["seq"], "world_size": m["world_size"],
                    "state": m["state"], "train_dir": m.get("train_dir"), "init_from": m.get("init_from")},

@@ -41,7 +41,9 @@ from hvctr.config import ModelArch, ModelConfig
 from hvctr.metrics import EvalAccumulator
 from hvctr.models import build_model
 from hvctr.offline.export import FORMAT, FORMAT_VERSION, ROW_FORMATS, dequantize_int8_rowwise
-from hvctr.formats import RowLayout, init_rows, owner_of
+from hvctr.formats import NUM_FIELDS, RowLayout, init_rows, owner_of
+from hvctr.data.bags import Bags, concat_bags, field_pooling_mask
+from hvctr.optim.pooling import embed_batch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,7 +106,10 @@ EXPORT_FIELDS = {
     "world_size": int, "files": [dict], "dense": [str], "batch_size": int, "row_format": Opt(str),
     # bottom_mlp, cross_layers, cross_rank: exports from before dlrm and dcnv2 lack them (their archs do not read them)
     "model": {"arch": OneOf(tuple(a.value for a in ModelArch)), "dim": int, "hidden": [int], "num_dense": int,
-              "num_fields": int, "bottom_mlp": Opt([int]), "cross_layers": Opt(int), "cross_rank": Opt(int)},
+              "num_fields": int, "bottom_mlp": Opt([int]), "cross_layers": Opt(int), "cross_rank": Opt(int),
+              "pooling": Opt([str])},
+    # the training data's multi-valued fields (0-based) and their value separator; exports from before lack it
+    "multi_valued": Opt({"fields": [int], "separator": str}),
     "unseen_keys": {"row": OneOf(("init", "default")), "init_scale": float, "seed": int},
 }
 
@@ -155,6 +160,14 @@ class ExportedModel:
         self.batch_size = int(m["batch_size"])
         self.unseen = m["unseen_keys"]
         self.model = self._load_dense(m)
+        self.multi_valued = m.get("multi_valued")  # {"fields", "separator"}: parse the input as data_prep did
+        try:
+            self.pooling = field_pooling_mask(m["model"].get("pooling") or ["sum"], int(m["model"]["num_fields"]))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}: damaged or crafted") from None
+        if self.multi_valued is not None and not all(0 <= f < NUM_FIELDS for f in self.multi_valued["fields"]):
+            raise ValueError(f"{path}: multi_valued fields {self.multi_valued['fields']} outside [0, {NUM_FIELDS}): "
+                             f"damaged or crafted")
         self.keys, self.weights = [], []
         for rank in range(m["world_size"]):
             with h5py.File(self.dir / "sparse" / f"rank-{rank:05d}.h5", "r") as f:
@@ -263,26 +276,43 @@ class ExportedModel:
         return out
 
     @torch.no_grad()
-    def logits(self, dense: np.ndarray, keys: np.ndarray) -> torch.Tensor:
-        """Logits [B] of a batch: dense float32 [B, 13], keys uint64 [B, 26]; as Trainer.evaluate."""
-        uniq, inv = np.unique(keys.reshape(-1), return_inverse=True)
+    def logits(self, dense: np.ndarray, keys: np.ndarray | Bags) -> torch.Tensor:
+        """Logits [B] of a batch: dense float32 [B, 13], keys uint64 [B, 26] (or the Bags of its
+        rows, multi-valued fields pooled by the model's pooling); as Trainer.evaluate."""
+        uniq, inv = np.unique(keys.values if isinstance(keys, Bags) else keys.reshape(-1), return_inverse=True)
         rows = torch.from_numpy(self.rows(uniq))
+        if isinstance(keys, Bags):
+            emb, w1 = embed_batch(rows, keys.with_values(inv), self.pooling, self.dim)
+            return self.model(torch.from_numpy(dense), emb, w1)
         g = rows[torch.from_numpy(inv.reshape(keys.shape))]
         return self.model(torch.from_numpy(dense), g[..., : self.dim], g[..., self.dim])
 
 
-def read_rows(path: str) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(labels, dense, keys) of every line of a Criteo file, in order, block by block."""
+def read_rows(path: str, multi_valued: dict | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | Bags]]:
+    """(labels, dense, keys) of every line of a Criteo file, in order, block by block; with
+    ``multi_valued`` ({"fields", "separator"} of the data manifest) keys are Bags."""
     src = open_sources([path])[0]
     lines_before = 0
+    fields = tuple(multi_valued["fields"]) if multi_valued else ()
+    sep = multi_valued["separator"].encode() if multi_valued else b","
     for data, _ in iter_blocks(src, Unit(0, 0, 0, src.size)):
-        blk = parse_block(data, src.fmt)
+        blk = parse_block(data, src.fmt, multi_valued=fields, value_sep=sep)
         if blk.bad:
             index, reason = blk.bad[0]
             raise ValueError(f"{path}:{src.header_lines + lines_before + index + 1}: {reason} "
                              f"(hvctr score needs every line well formed)")
         lines_before += blk.num_lines
-        yield blk.labels, blk.dense, blk.keys
+        yield blk.labels, blk.dense, (Bags(blk.keys, blk.lengths) if blk.lengths is not None else blk.keys)
+
+
+def _take(keys: np.ndarray | Bags, lo: int, hi: int | None) -> np.ndarray | Bags:
+    if isinstance(keys, Bags):
+        return keys.rows_slice(lo, keys.rows if hi is None else hi)
+    return keys[lo:hi]
+
+
+def _cat(parts: list) -> np.ndarray | Bags:
+    return concat_bags(parts) if isinstance(parts[0], Bags) else np.concatenate(parts)
 
 
 def score_file(model: ExportedModel, path: str, batch_size: int) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
@@ -291,14 +321,14 @@ def score_file(model: ExportedModel, path: str, batch_size: int) -> Iterator[tup
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     held = 0
-    for part in read_rows(path):
+    for part in read_rows(path, model.multi_valued):
         pending.append(part)
         held += part[0].shape[0]
         while held >= batch_size:
-            labels, dense, keys = (np.concatenate(c) for c in zip(*pending))
-            yield labels[:batch_size], model.logits(dense[:batch_size], keys[:batch_size])
-            pending = [(labels[batch_size:], dense[batch_size:], keys[batch_size:])]
+            labels, dense, keys = (_cat(list(c)) for c in zip(*pending))
+            yield labels[:batch_size], model.logits(dense[:batch_size], _take(keys, 0, batch_size))
+            pending = [(labels[batch_size:], dense[batch_size:], _take(keys, batch_size, None))]
             held -= batch_size
     if held:
-        labels, dense, keys = (np.concatenate(c) for c in zip(*pending))
+        labels, dense, keys = (_cat(list(c)) for c in zip(*pending))
         yield labels, model.logits(dense, keys)

@@ -87,6 +87,8 @@ class TrainData:
         self._reader, checked = comm.agree(open_and_verify, name="data.open")
         if checked is not None:
             self._stamp(mode, checked, stamp, stamp_path, run_dir)
+        # multi-valued fields ({"fields": [...], "separator": ...} of the manifest), None: one key a field
+        self.multi_valued = self._reader.manifest.get("multi_valued") if self._reader.multi_valued else None
         mine = self._reader.num_batches
         # comm: allreduce (Min) of the full batches each rank holds: the batches per epoch
         (self.batches_per_epoch,) = comm.allreduce_min_int([mine], name="data.batches_per_epoch")
@@ -149,5 +151,11 @@ class TrainData:
 
     def eval_reader(self, split: str) -> EvalReader:
         data_dir = self.cfg.valid_dir or self.cfg.train_dir
-        return EvalReader(ShardReader(data_dir, split, self.comm.rank, self.comm.size,
-                                      self.cfg.batch_size_per_rank))
+        reader = ShardReader(data_dir, split, self.comm.rank, self.comm.size, self.cfg.batch_size_per_rank)
+        theirs = reader.manifest.get("multi_valued") if reader.multi_valued else None
+        if (theirs or {}).get("fields") != (self.multi_valued or {}).get("fields"):
+            reader.close()
+            raise ValueError(f"data.valid_dir {data_dir}: multi-valued fields {(theirs or {}).get('fields', [])}, "
+                             f"data.train_dir {self.cfg.train_dir}: {(self.multi_valued or {}).get('fields', [])} "
+                             f"(0-based): prepare both with the same data_prep --multi-valued")
+        return EvalReader(reader)

@@ -452,8 +452,11 @@ class Trainer:
             rows = self.table.read_only(uniq, name=f"eval.{split}.{b}")
             if labels.shape[0] == 0:
                 continue
-            emb, w1 = embed_batch(rows, keys.with_values(inv) if isinstance(keys, Bags) else inv.reshape(keys.shape),
-                                  self.pooling, self.dim)
+            if isinstance(keys, Bags):  # multi-valued fields: pooled as training pools them
+                emb, w1 = embed_batch(rows, keys.with_values(inv), self.pooling, self.dim)
+            else:  # views of the full-width rows (hvctr score reads them through the same strides)
+                g = rows[torch.from_numpy(inv.reshape(keys.shape)).to(self.device)]
+                emb, w1 = g[..., self.layout.w], g[..., self.layout.w1]
             logits = self.model(torch.from_numpy(dense).to(self.device), emb, w1)
             acc.add_logits(logits, torch.from_numpy(labels))
         # comm: one grouped allreduce (Sum) of the evaluation histograms and sums
@@ -479,7 +482,9 @@ class Trainer:
             path = self.ckpt.save(self.store, self._dense_state(), self.state,
                                   extra={"mode": self.cfg.merge.mode.value, "train_dir": self._train_dir(),
                                          "init_from": self.lineage,
-                                         "batch_size_per_rank": self.cfg.data.batch_size_per_rank})
+                                         "batch_size_per_rank": self.cfg.data.batch_size_per_rank,
+                                         # the data's multi-valued fields: how hvctr score parses text for it
+                                         "multi_valued": self.data.multi_valued})
         self._checkpointed_step = self.state.step
         kind = (self.ckpt.last_manifest() or {}).get("kind", "?")
         log.info(f"checkpoint {path.name} ({kind}) written at step {self.state.step} in {time.monotonic() - t0:.1f} s")
