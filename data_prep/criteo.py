@@ -131,7 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a plain input is split into byte ranges of this size (the unit of work and of resume); "
                         "default: the plain inputs' size / 256, between 4 and 64")
     p.add_argument("--piece-lines", type=int, default=1 << 19,
-                   help="lines per intermediate piece: a process holds one piece in memory (~300 bytes a line)")
+                   help="lines per intermediate piece: a process holds one piece in memory (~300 bytes a line; "
+                        "with --multi-valued, 8 bytes more for each key beyond one a field)")
     p.add_argument("--progress-seconds", type=float, default=10.0, help="progress line interval on rank 0")
     p.add_argument("--multi-valued", default="", metavar="FIELDS",
                    help="categorical fields that hold 0..n values each, by name: e.g. C3,C21 (user history, "
