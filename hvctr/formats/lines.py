@@ -104,13 +104,15 @@ class Block:
     lengths: np.ndarray | None = None  # uint16 [n, 26]: keys per field (multi-valued fields only)
 
 
-def check_value_sep(value_sep: bytes, fmt: RowFormat, option: str = "--value-separator") -> None:
-    """A value separator must be one byte that neither ends a line nor separates the columns."""
+def check_value_sep(value_sep: bytes, fmt: RowFormat | None = None, option: str = "--value-separator",
+                    where: str = "") -> None:
+    """A value separator must be one byte that neither ends a line nor separates ``fmt``'s columns."""
     if len(value_sep) != 1 or value_sep in b"\r\n":
-        raise ValueError(f"{option} must be one character other than a line end, got {value_sep!r}")
-    if value_sep[0] == fmt.sep:
-        raise ValueError(f"{option} {value_sep.decode('ascii', 'replace')!r} is the column separator of "
-                         f"{fmt.kind.upper()} input: values inside a multi-valued field need another "
+        raise ValueError(f"{option} must be one ASCII character other than a line end, got "
+                         f"{value_sep.decode('utf-8', 'replace')!r}")
+    if fmt is not None and value_sep[0] == fmt.sep:
+        raise ValueError(f"{where}{option} {value_sep.decode('ascii', 'replace')!r} is the column separator of "
+                         f"{fmt.kind.upper()} input: the values inside a multi-valued field need another "
                          f"separator (e.g. {option} '|')")
 
 
