@@ -82,6 +82,8 @@ def test_a_routed_window_lays_its_working_set_out_by_owner():
 
 
 class _OneRank:
+    rank = 0
+
     def allreduce_min_int(self, values, name):
         return list(values)
 
@@ -117,3 +119,52 @@ def test_k_warmup_grows_the_windows_from_one_step_to_k():
 
     with pytest.raises(ValueError, match="merge.k_warmup_steps"):
         load_config(None, ["--merge.k_warmup_steps=-1"])
+
+
+# --- multi-valued fields: windows over bags ----------------------------------------------
+
+def _bag_batches(rng, n: int, b: int, f: int, max_len: int, vocab: int):
+    from hvctr.data.bags import Bags
+
+    lengths = rng.integers(0, max_len + 1, size=(n * b, f)).astype(np.uint16)
+    return Bags(rng.zipf(1.3, size=int(lengths.sum())).astype(np.uint64) % np.uint64(vocab), lengths)
+
+
+def test_bag_windows_fit_and_number_every_key_of_every_bag(path):
+    rng = np.random.default_rng(11)
+    bags = _bag_batches(rng, 6, 32, 5, 7, 4000)
+    idx = index_keys(bags, 6)
+    per_batch = [bags.rows_slice(i * 32, (i + 1) * 32).values for i in range(6)]
+    assert np.array_equal(idx.batch_ends, np.cumsum([v.size for v in per_batch]))
+    for max_rows in (0, 40, 200, 500, 10**6):
+        want = max((n for n in range(7) if np.unique(np.concatenate(per_batch[:n] or [[]])).size <= max_rows),
+                   default=0)
+        assert fitting_prefix(idx, 6, max_rows) == want, max_rows
+    n = 4
+    w = build_window(0, 0, 0, np.zeros((n, 32), np.float32), np.zeros((n, 32, 13), np.float32), bags, idx)
+    assert w.multi_valued and len(w.bags) == n
+    assert np.array_equal(w.unique_keys, np.unique(np.concatenate(per_batch[:n])))
+    for i, (pos, off) in enumerate(w.bags):
+        assert np.array_equal(w.unique_keys[pos], per_batch[i])  # every key of the batch's bags, in order
+        lengths = bags.lengths[i * 32:(i + 1) * 32].reshape(-1)
+        assert np.array_equal(np.diff(off), lengths) and off[0] == 0
+        uniq, inverse = w.batch_unique[i]
+        assert np.array_equal(uniq.numpy()[inverse.numpy()], pos)
+
+
+def test_a_batch_of_more_distinct_keys_than_the_working_set_is_refused_by_name():
+    from hvctr.distributed.world import AgreedError
+    from hvctr.train.prefetch import Schedule, WindowSource
+
+    rng = np.random.default_rng(12)
+    bags = _bag_batches(rng, 4, 16, 3, 30, 10**6)  # about 16 x 3 x 15 keys a batch, nearly all distinct
+
+    class Reader:
+        def read(self, first, count):
+            return (np.zeros((count, 16), np.float32), np.zeros((count, 16, 13), np.float32),
+                    bags.rows_slice(first * 16, (first + count) * 16))
+
+    s = Schedule(batches_per_epoch=4, epochs=1, every_k_steps=2, max_working_set_rows=16 * 3, max_steps=0)
+    src = WindowSource(lambda epoch: Reader(), s, _OneRank(), None, (0, 0, 0), prefetch=False, timeout_s=10)
+    with pytest.raises(AgreedError, match=r"storage.max_working_set_rows = 48: raise it"):
+        src.next()
