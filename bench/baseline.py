@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hvctr.data.bags import Bags
 from hvctr.data.reader import ShardReader
 from hvctr.formats import NUM_DENSE
 from hvctr.metrics import EvalAccumulator
@@ -149,47 +150,100 @@ def _torchrec_optimizer(name: str):
             "sgd": torch.optim.SGD}[name]
 
 
+def feature_major(idx: np.ndarray | Bags, b: slice, row_offsets: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``b`` of [N, F] table rows (or their Bags, ``row_offsets`` its row_offsets()) as a
+    KeyedJaggedTensor's (values, lengths): feature-major, field 0's bags of every row first.
+    Vectorised: each feature-major bag's start in the row-major values, spread over its values
+    with one repeat."""
+    if not isinstance(idx, Bags):
+        rows = idx[b]
+        return np.ascontiguousarray(rows.T).reshape(-1), np.ones(rows.size, dtype=np.int64)
+    part = idx.rows_slice(b.start, b.stop, row_offsets)
+    lengths = part.lengths.astype(np.int64)
+    starts = part.bag_offsets()[:-1].reshape(lengths.shape).T.reshape(-1)
+    fm_lengths = lengths.T.reshape(-1)
+    out_starts = np.concatenate([[0], np.cumsum(fm_lengths)[:-1]])
+    take = np.repeat(starts - out_starts, fm_lengths) + np.arange(int(fm_lengths.sum()))
+    return part.values[take], fm_lengths
+
+
+def _map_bag_keys(train: Split, valid: Split) -> tuple[int, np.ndarray | Bags, np.ndarray | Bags]:
+    """map_keys for one-valued keys or Bags (their values mapped, the bags kept)."""
+    if not isinstance(train.keys, Bags):
+        table_rows, train_idx, (valid_idx,) = map_keys(train.keys, valid.keys)
+        return table_rows, train_idx, valid_idx
+    table_rows, train_v, (valid_v,) = map_keys(train.keys.values, valid.keys.values)
+    return table_rows, train.keys.with_values(train_v), valid.keys.with_values(valid_v)
+
+
+TORCHREC_ARCHS = ("dnn", "dlrm", "dlrm-dcnv2")  # hvctr's DNN over the pooled rows; TorchRec's DLRM, DLRM_DCN
+
+
 def run_torchrec(train: Split, valid: Split, *, dim: int = 16, hidden: Sequence[int] = (512, 256),
                  batch_size: int = 4096, epochs: int = 1, lr: float = 1e-3, sparse_lr: float = 0.002,
                  optimizer: str = "rowwise_adagrad", max_steps: int = 0, init_scale: float = 0.01,
-                 seed: int = 1234) -> dict:
+                 seed: int = 1234, arch: str = "dnn", bottom: Sequence[int] = (512, 256, 16), cross_layers: int = 3,
+                 cross_rank: int = 64) -> dict:
     """TorchRec on ``train``, evaluated on ``valid``: the table a FusedEmbeddingBagCollection
-    (one table, its 26 features sharing it as hvctr's fields share one key space; one key per
-    bag, so sum pooling is the row itself), its optimiser fused into the backward; the dense
-    DNN with Adam. The keys are mapped to rows once, up front, as ``run_plain`` does."""
+    (one table, its 26 features sharing it as hvctr's fields share one key space; sum pooling:
+    one-valued data's bag of one key is the row itself, a multi-valued field's bag sums its
+    rows as hvctr's model.pooling = sum), its optimiser fused into the backward; the dense part
+    with Adam: hvctr's DNN over the pooled rows (``arch`` dnn) or TorchRec's own DLRM / DLRM_DCN
+    modules (dlrm, dlrm-dcnv2: bottom MLP ``bottom``, top MLP ``hidden`` + 1, DCN's low-rank
+    cross layers). The keys are mapped to rows once, up front, as ``run_plain`` does, and each
+    batch's KeyedJaggedTensor inputs are built before the clock starts (a data loader's work)."""
     import torchrec
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     if optimizer not in TORCHREC_OPTIMIZERS:
         raise ValueError(f"--torchrec-optimizer {optimizer!r}: valid: {', '.join(TORCHREC_OPTIMIZERS)}")
+    if arch not in TORCHREC_ARCHS:
+        raise ValueError(f"--arch {arch!r}: valid: {', '.join(TORCHREC_ARCHS)}")
     t0 = time.perf_counter()
-    table_rows, train_idx, (valid_idx,) = map_keys(train.keys, valid.keys)
+    table_rows, train_idx, valid_idx = _map_bag_keys(train, valid)
+    offsets = {id(x): x.row_offsets() for x in (train_idx, valid_idx) if isinstance(x, Bags)}
     prep_s = time.perf_counter() - t0
-    num_fields = train.keys.shape[1]
+    num_fields = train.keys.fields if isinstance(train.keys, Bags) else train.keys.shape[1]
     fields = [f"f{i}" for i in range(num_fields)]
+    kjt_s = [0.0]  # building the batches' KeyedJaggedTensors (in the timed loop, as a plain loop does)
+
+    def kjt_of(idx, s: slice) -> KeyedJaggedTensor:
+        t = time.perf_counter()
+        values, lengths = feature_major(idx, s, offsets.get(id(idx)))
+        kjt = KeyedJaggedTensor(keys=fields, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths))
+        kjt_s[0] += time.perf_counter() - t
+        return kjt
     torch.manual_seed(seed)
     ebc = FusedEmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name="table", embedding_dim=dim, num_embeddings=table_rows, feature_names=fields,
-                                   weight_init_min=-init_scale, weight_init_max=init_scale)],
+                                   weight_init_min=-init_scale, weight_init_max=init_scale, pooling=PoolingType.SUM)],
         optimizer_type=_torchrec_optimizer(optimizer), optimizer_kwargs={"lr": sparse_lr}, device=torch.device("cpu"))
-    model = DNN(num_fields=num_fields, dim=dim, num_dense=NUM_DENSE, hidden=hidden)
-    opt_dense = torch.optim.Adam(model.parameters(), lr=lr)
+    if arch == "dnn":
+        dnn = DNN(num_fields=num_fields, dim=dim, num_dense=NUM_DENSE, hidden=hidden)
 
-    def lookup(idx: np.ndarray) -> torch.Tensor:
-        """[B, F] rows -> [B, F, D]: a KeyedJaggedTensor is feature-major, one value per bag."""
-        b = idx.shape[0]
-        kjt = KeyedJaggedTensor(keys=fields, values=torch.from_numpy(np.ascontiguousarray(idx.T)).reshape(-1),
-                                lengths=torch.ones(num_fields * b, dtype=torch.int64),
-                                offsets=torch.arange(num_fields * b + 1, dtype=torch.int64))
-        return ebc(kjt).values().view(b, num_fields, dim)
+        def forward(dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+            b = dense.shape[0]
+            return dnn(dense, ebc(kjt).values().view(b, num_fields, dim), torch.zeros(b, num_fields))
+        dense_params = list(dnn.parameters())
+    else:
+        from torchrec.models.dlrm import DLRM, DLRM_DCN
 
-    no_w1 = torch.zeros(batch_size, num_fields)
+        top = [*hidden, 1]
+        net = (DLRM(ebc, NUM_DENSE, list(bottom), top) if arch == "dlrm" else
+               DLRM_DCN(ebc, NUM_DENSE, list(bottom), top, dcn_num_layers=cross_layers, dcn_low_rank_dim=cross_rank))
+
+        def forward(dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+            return net(dense, kjt).squeeze(1)
+        dense_params = [p for n, p in net.named_parameters() if "embedding_bag_collection" not in n]
+    opt_dense = torch.optim.Adam(dense_params, lr=lr)
+
     steps, t0 = 0, time.perf_counter()
     for _ in range(epochs):
         for s in _batches(len(train.labels), batch_size, drop_last=True):
-            logits = model(torch.from_numpy(train.dense[s]), lookup(train_idx[s]), no_w1)
+            logits = forward(torch.from_numpy(train.dense[s]), kjt_of(train_idx, s))
             loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(train.labels[s]))
             opt_dense.zero_grad()
             loss.backward()  # the table's rows are updated here, by the fused optimiser
@@ -200,14 +254,19 @@ def run_torchrec(train: Split, valid: Split, *, dim: int = 16, hidden: Sequence[
         if steps == max_steps:
             break
     train_s = time.perf_counter() - t0
+    train_kjt_s = kjt_s[0]
 
-    acc = _evaluate(model, valid, valid_idx, lookup, batch_size, num_fields)
+    acc = EvalAccumulator()
+    with torch.no_grad():
+        for s in _batches(len(valid.labels), batch_size, drop_last=False):
+            acc.add_logits(forward(torch.from_numpy(valid.dense[s]), kjt_of(valid_idx, s)),
+                           torch.from_numpy(valid.labels[s]))
     import fbgemm_gpu
     return {
-        "system": "torchrec", "threads": torch.get_num_threads(), "batch_size": batch_size, "dim": dim,
+        "system": "torchrec", "arch": arch, "threads": torch.get_num_threads(), "batch_size": batch_size, "dim": dim,
         "hidden": list(hidden), "table_rows": table_rows, "steps": steps, "train_samples": steps * batch_size,
         "train_s": train_s, "samples_per_s": steps * batch_size / train_s if train_s > 0 else float("nan"),
-        "key_mapping_s": prep_s, "last_loss": loss.item() if steps else float("nan"),
+        "key_mapping_s": prep_s, "kjt_build_s": train_kjt_s, "last_loss": loss.item() if steps else float("nan"),
         "sparse_optimizer": f"fused {optimizer}", "sparse_lr": sparse_lr, "dense_optimizer": "Adam", "dense_lr": lr,
         "versions": {"torchrec": getattr(torchrec, "__version__", _dist_version("torchrec")),
                      "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"), "torch": torch.__version__},
@@ -347,6 +406,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the table's fused optimiser in the torchrec run (fbgemm has no CPU Adam)")
     p.add_argument("--torchrec-lr", type=float, default=0.002,
                    help="its learning rate (0.002: the best of 0.001-0.2 on the 2M-row set, BENCHMARKS.md)")
+    p.add_argument("--arch", default="dnn", choices=TORCHREC_ARCHS,
+                   help="the torchrec run's model: hvctr's DNN, or TorchRec's DLRM or DLRM_DCN modules")
+    p.add_argument("--bottom", type=_hidden, default=(512, 256, 16), help="dlrm, dlrm-dcnv2: the bottom MLP")
+    p.add_argument("--cross-layers", type=int, default=3, help="dlrm-dcnv2: cross layers")
+    p.add_argument("--cross-rank", type=int, default=64, help="dlrm-dcnv2: the cross layers' low rank")
     p.add_argument("--max-steps", type=int, default=0, help="stop plain training after this many steps; 0: epochs")
     p.add_argument("--ceiling-procs", type=int, default=2)
     p.add_argument("--ceiling-steps", type=int, default=30)
@@ -380,7 +444,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                           lr=args.lr, max_steps=args.max_steps)
             results.append(run_plain(*splits, **common) if name == "plain" else
                            run_torchrec(*splits, **common, sparse_lr=args.torchrec_lr,
-                                        optimizer=args.torchrec_optimizer))
+                                        optimizer=args.torchrec_optimizer, arch=args.arch, bottom=args.bottom,
+                                        cross_layers=args.cross_layers, cross_rank=args.cross_rank))
         elif name in ("ceiling", "floor"):
             results.append(run_ceiling(args.ceiling_procs, **mlp, input_grad=name == "floor"))
         else:

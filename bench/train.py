@@ -51,21 +51,30 @@ def _run(cmd: list[str], log: Path, timeout: int = 3600, cwd: Path | None = None
         raise RuntimeError(f"benchmark command failed ({r.returncode}), see {log}: {' '.join(cmd)}")
 
 
-def make_data(work: Path, rows: int, seed: int = 11) -> tuple[Path, float]:
+def make_data(work: Path, rows: int, seed: int = 11, multi_hot: str = "") -> tuple[Path, float]:
+    """data_prep synth at ``seed`` (``multi_hot``: its --multi-hot sizes, the fields of more than
+    one value then prepared as multi-valued) into ``work``/shards, reused where it is there."""
     data = work / "shards"
     made = work / "synth.seed"
-    if (data / "manifest.json").exists() and made.exists() and int(made.read_text()) != seed:
-        raise SystemExit(f"{work} holds data of data_prep synth --seed {made.read_text().strip()}, not {seed}: "
+    want = f"{seed}" + (f" --multi-hot {multi_hot}" if multi_hot else "")
+    if (data / "manifest.json").exists() and made.exists() and made.read_text().strip() != want:
+        raise SystemExit(f"{work} holds data of data_prep synth --seed {made.read_text().strip()}, not {want}: "
                          f"give --work-dir another directory")
     if not (data / "manifest.json").exists():
         tsv = work / "synth.tsv"
-        out = subprocess.run([PY, "-m", "data_prep", "synth", "--rows", str(rows), "--seed", str(seed), "--out", str(tsv)],
-                             check=True, capture_output=True, text=True).stdout
+        hot = ["--multi-hot", multi_hot] if multi_hot else []
+        out = subprocess.run([PY, "-m", "data_prep", "synth", "--rows", str(rows), "--seed", str(seed), "--out", str(tsv),
+                              *hot], check=True, capture_output=True, text=True).stdout
         (work / "synth.out").write_text(out)
+        if multi_hot:
+            from data_prep.synth import parse_multi_hot
+            from hvctr.formats import CAT_NAMES
+
+            hot = ["--multi-valued", ",".join(CAT_NAMES[f] for f, k in enumerate(parse_multi_hot(multi_hot)) if k > 1)]
         _run([PY, "-m", "data_prep", "criteo", "--input", str(tsv), "--out", str(data), "--shards", "8",
-              "--valid-fraction", "0.0909"], work / "prep.log")
+              "--valid-fraction", "0.0909", *hot], work / "prep.log")
         tsv.unlink()
-        made.write_text(str(seed))
+        made.write_text(want)
     bayes = next(float(line.split("expected")[1].split(",")[0]) for line in (work / "synth.out").read_text().splitlines()
                  if "Bayes-optimal AUC" in line)
     return data, bayes
@@ -104,11 +113,13 @@ def _calibration(ev: dict[str, Any]) -> float:
 REFERENCES = {"plain": "pytorch_plain", "torchrec": "torchrec", "ceiling": "mlp_ceiling", "floor": "mlp_floor"}
 
 
-def reference_run(work: Path, data: Path, which: str, tag: str) -> dict[str, Any]:
+def reference_run(work: Path, data: Path, which: str, tag: str, flags: list[str] = ()) -> dict[str, Any]:
+    """One bench.baseline run (``flags``: more of its options, e.g. --arch dlrm), its result
+    kept under ``work`` (a rerun of the benchmark reads it)."""
     out = work / f"{which}.{tag}.jsonl"
     if not out.exists():
         tmp = out.with_name(out.name + ".tmp")
-        _run([PY, "-m", "bench.baseline", "--data", str(data), "--runs", which, "--out", str(tmp)],
+        _run([PY, "-m", "bench.baseline", "--data", str(data), "--runs", which, "--out", str(tmp), *flags],
              work / f"{which}.{tag}.log")
         tmp.replace(out)
     r = json.loads(out.read_text().splitlines()[-1])
@@ -117,7 +128,8 @@ def reference_run(work: Path, data: Path, which: str, tag: str) -> dict[str, Any
         return {"system": REFERENCES[which], "skipped": r["skipped"], "samples_per_s": None, "auc": None}
     return {"system": REFERENCES[which], "samples_per_s": r["samples_per_s"], "auc": r.get("valid_auc"),
             "logloss": r.get("valid_logloss"),
-            **{k: r[k] for k in ("sparse_optimizer", "sparse_lr", "threads", "versions") if k in r}}
+            **{k: r[k] for k in ("sparse_optimizer", "sparse_lr", "threads", "versions", "kjt_build_s", "train_s")
+               if k in r}}
 
 
 def _with_load(run) -> dict[str, Any]:

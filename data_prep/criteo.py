@@ -139,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "tags). Their text is split at --value-separator, empty values dropped, each value keyed "
                         "as a one-valued value of that field is; the shards are then format version 2 "
                         "(docs/data.md). Default: none (one value per field, format version 1)")
-    p.add_argument("--value-separator", default=",", metavar="SEP",
+    p.add_argument("--value-separator", default=None, metavar="SEP",
                    help="the character between the values of a --multi-valued field (default ','; it must "
                         "differ from the input's column separator: pass another for CSV input, e.g. '|')")
 
@@ -162,10 +162,13 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(rank=comm.rank, world_size=comm.size)
     try:
         try:  # the same arguments fail the same way on every process
+            if args.value_separator is not None and not args.multi_valued:
+                raise ValueError(f"--value-separator {args.value_separator!r} without --multi-valued: it separates "
+                                 f"the values of multi-valued fields; name them (e.g. --multi-valued C3,C21)")
             job = Job(tuple(args.input), os.path.abspath(args.out), args.shards, args.valid_fraction,
                       args.strict, args.format, int(args.chunk_mb * (1 << 20)), args.piece_lines,
                       args.progress_seconds, tuple(args.valid_input), parse_fields(args.multi_valued),
-                      args.value_separator)
+                      "," if args.value_separator is None else args.value_separator)
         except ValueError as e:
             raise _SharedError(str(e)) from e
         return run_job(comm, job)

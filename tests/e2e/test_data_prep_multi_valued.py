@@ -148,6 +148,8 @@ def test_other_multi_valued_options_are_another_job(tsv, outputs, tmp_path):
     assert r.returncode == 2 and "--value-separator ',' is the column separator of CSV input" in r.stderr
     r = criteo(2, "--input", tsv, "--out", tmp_path / "x", "--shards", 2, "--multi-valued", "C3,D4", check=False)
     assert r.returncode == 2 and "--multi-valued: unknown field 'D4'" in r.stderr
+    r = criteo(2, "--input", tsv, "--out", tmp_path / "x", "--shards", 2, "--value-separator", "|", check=False)
+    assert r.returncode == 2 and "--value-separator '|' without --multi-valued" in r.stderr  # not silently ignored
     assert r.stderr.count("error:") == 1  # said once, by rank 0
 
 

@@ -117,3 +117,22 @@ def test_torchrec_peer_learns_the_signal():
     assert r["system"] == "torchrec" and r["sparse_optimizer"] == "fused rowwise_adagrad"
     assert r["steps"] == 40_000 // 512 and r["valid_count"] == 8_000
     assert r["valid_auc"] > roc_auc_score(valid.labels, z) - 0.03, r["valid_auc"]
+
+
+def test_feature_major_lays_bags_out_field_by_field():
+    """A KeyedJaggedTensor's values: field 0's bags of every row, then field 1's, ...; the same
+    keys as the row-major Bags, each bag's keys in order."""
+    from bench.baseline import feature_major
+    from hvctr.data.bags import Bags
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 4, size=(10, 3)).astype(np.uint16)
+    bags = Bags(np.arange(int(lengths.sum())), lengths)
+    off = bags.bag_offsets()
+    values, fm_lengths = feature_major(bags, slice(2, 7))
+    want = [v for f in range(3) for r in range(2, 7) for v in bags.values[off[r * 3 + f]:off[r * 3 + f + 1]]]
+    assert values.tolist() == want
+    assert fm_lengths.tolist() == lengths[2:7].T.reshape(-1).tolist()
+    plain = rng.integers(0, 100, size=(6, 3))
+    values, fm_lengths = feature_major(plain, slice(1, 4))
+    assert values.tolist() == plain[1:4].T.reshape(-1).tolist() and (fm_lengths == 1).all()
