@@ -2,7 +2,8 @@
 
 A data directory holds ``manifest.json`` and, per split ("train", "valid"), S shard files
 ``<split>-<s:05d>.h5`` with ``labels`` float32 [N], ``dense`` float32 [N, 13], ``keys`` uint64
-[N, 26]. Rank r of W reads the shards s with s % W == r, in shard order, as one stream of rows
+[N, 26]; data with multi-valued fields (format version 2) holds ``lengths`` uint16 [N, 26],
+``offsets`` int64 [N + 1] and flat ``keys``, and its batches' keys are hvctr.data.bags.Bags. Rank r of W reads the shards s with s % W == r, in shard order, as one stream of rows
 cut into batches of ``batch_size``; the last partial batch is not trained on.
 
     >>> reader = ShardReader("data/criteo", "train", rank=0, world_size=2, batch_size=4096)

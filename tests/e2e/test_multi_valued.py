@@ -104,3 +104,23 @@ def test_sum_and_mean_pooling_train_other_models(multi_hot, tmp_path):
     a, b = final_model(tmp_path / "sum")[0], final_model(tmp_path / "mean")[0]
     assert any(not np.array_equal(a[k], b[k]) for k in a)
 
+
+
+@pytest.mark.parametrize("mode", ["kstep-shared", "sync"])
+def test_simulation_equals_mpirun_bit_for_bit_on_bags(multi_hot, tmp_path, mode):
+    """3 ranks: the windows over bags, their exchanges (rows left behind by the push, the shared
+    rows' every-step sync) and sync mode's gradient push, as hvctr simulate runs them."""
+    from tests.e2e.helpers import job_env
+    from tests.e2e.test_simulate import SAME, compare, evaluation, simulate
+
+    data, _ = multi_hot
+    flags = [*SAME, f"--merge.mode={mode.split('-')[0]}", "--merge.every_k_steps=4", "--model.pooling=mean"]
+    if mode == "sync":
+        flags[1] = "--train.max_steps=8"
+    else:
+        flags += ["--merge.shared_rows=64"]
+    assert job_env()["OMPI_MCA_coll_tuned_allreduce_algorithm"] == "4"  # the ring order the simulation adds in
+    train(3, tmp_path / "mpi", data, *flags, *(["--storage.push_behind=on"] if mode != "sync" else []))
+    simulate(3, tmp_path / "sim", data, *flags)
+    compare(tmp_path / "mpi", tmp_path / "sim")
+    assert evaluation(tmp_path / "mpi") == evaluation(tmp_path / "sim")

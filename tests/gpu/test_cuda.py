@@ -80,6 +80,31 @@ def test_rowwise_steps_on_cuda_match_the_host_kernels(optimizer):
     assert torch.allclose(host, dev.cpu(), rtol=1e-5, atol=1e-6)
 
 
+def test_pooled_gather_and_backward_on_cuda_match_the_host_kernels():
+    """Multi-valued fields' pooling (hvctr.optim.pooling): torch's form on the GPU against the C kernels."""
+    import numpy as np
+
+    from hvctr.formats import RowLayout
+    from hvctr.optim import batch_unique
+    from hvctr.optim.pooling import gather_pooled, sum_pooled_grads
+
+    g = torch.Generator().manual_seed(5)
+    rows = torch.rand(300, RowLayout(8).width, generator=g)
+    lengths = torch.randint(0, 5, (64 * 4,), generator=g)
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    pos = torch.randint(0, 300, (int(off[-1]),), generator=g)
+    mean = np.array([0, 1, 0, 1], dtype=np.uint8)
+    ge, gw = torch.randn(64, 4, 8, generator=g), torch.randn(64, 4, generator=g)
+    out = []
+    for dev in (torch.device("cpu"), CUDA):
+        emb, w1 = gather_pooled(rows.to(dev), pos.to(dev), off.to(dev), mean, 4, 8)
+        uniq, summed = sum_pooled_grads(pos.to(dev), off.to(dev), mean, ge.to(dev), gw.to(dev),
+                                        tuple(t.to(dev) for t in batch_unique(pos)))
+        out.append([t.cpu() for t in (emb, w1, uniq, summed)])
+    for host, dev in zip(*out):
+        assert torch.allclose(host.float(), dev.float(), rtol=1e-5, atol=1e-6)
+
+
 def test_model_step_is_deterministic_on_cuda():
     from hvctr.config import ModelConfig
     from hvctr.models import build_model
