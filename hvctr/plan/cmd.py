@@ -246,7 +246,8 @@ def format_plan(p: Plan, rates_from: str) -> str:
         f"  table {j.keys:,} keys, dim {j.dim}: a row is {f['row_bytes']} B "
         f"({j.layout.columns()}, train.sparse_optimizer = {j.sparse_optimizer.value}); "
         f"model {_model_text(j.model)}, {f['dense_params']:,} dense parameters",
-        f"  batch {j.batch_size_per_rank:,} per rank, {mode}{fp16}; keys: {p.curve.source}",
+        f"  batch {j.batch_size_per_rank:,} per rank, {mode}{fp16}; keys: {p.curve.source}"
+        + (f"; {j.keys_per_row:.1f} keys a row (multi-valued fields)" if j.keys_per_row else ""),
         f"  rates: {rates_from}; entry measured with {p.rates.ranks_per_node} rank(s) per node",
         "",
         "per rank",

@@ -124,3 +124,28 @@ def test_simulation_equals_mpirun_bit_for_bit_on_bags(multi_hot, tmp_path, mode)
     simulate(3, tmp_path / "sim", data, *flags)
     compare(tmp_path / "mpi", tmp_path / "sim")
     assert evaluation(tmp_path / "mpi") == evaluation(tmp_path / "sim")
+
+
+def test_plan_measures_the_key_curve_over_every_key_of_every_bag(multi_hot, tmp_path):
+    from tests.conftest import REPO
+    from tests.e2e.test_plan import hvctr
+
+    data, _ = multi_hot
+    args = ["plan", "--map", str(REPO / "slurm/hwmaps/vm-2cpu.toml"), "--ranks-per-node", "2", "--data", str(data),
+            "--batch", "256", "--every-k-steps", "4"]
+    r = hvctr(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    f = json.loads(r.stdout)["figures"]
+    manifest = json.loads((data / "manifest.json").read_text())
+    keys, offsets = [], [np.zeros(1, np.int64)]
+    for rec in manifest["shards"]["train"]:
+        with h5py.File(data / rec["file"], "r") as h:
+            keys.append(h["keys"][...])
+            offsets.append(h["offsets"][1:] + offsets[-1][-1])
+    keys, offsets = np.concatenate(keys), np.concatenate(offsets)
+    assert f["table_keys"] == np.unique(keys).shape[0]
+    # windows of 4 x 256 rows, each row's keys: the mean distinct count over the first 16 windows
+    want = np.mean([np.unique(keys[offsets[i * 1024]:offsets[(i + 1) * 1024]]).shape[0] for i in range(16)])
+    assert f["working_set_rows"] == pytest.approx(want)
+    text = hvctr(*args).stdout
+    assert f"{keys.size / (offsets.size - 1):.1f} keys a row (multi-valued fields)" in text
