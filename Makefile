@@ -27,11 +27,15 @@ test-unit:
 	$(PYTEST) tests/unit
 
 # The MPI tier runs twice: 2 ranks, and 3 so that uneven remainders show. Then, with 4 ranks in
-# 2 virtual nodes, the hierarchical dense merge against the flat allreduce.
+# 2 virtual nodes, the hierarchical dense merge against the flat allreduce. All of it once on
+# each engine (distributed.backend: Horovod, then torch.distributed through HVCTR_BACKEND).
 test-mpi:
-	$(MPIRUN) -np 2 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi
-	$(MPIRUN) -np 3 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi
-	$(MPIRUN) -np 4 $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi/test_hierarchical.py
+	for backend in horovod torch; do \
+	  HVCTR_BACKEND=$$backend $(MPIRUN) -np 2 -x HVCTR_BACKEND $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi && \
+	  HVCTR_BACKEND=$$backend $(MPIRUN) -np 3 -x HVCTR_BACKEND $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi && \
+	  HVCTR_BACKEND=$$backend $(MPIRUN) -np 4 -x HVCTR_BACKEND $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi/test_hierarchical.py \
+	  || exit 1; \
+	done
 
 # Whole jobs, including the sbatch scripts on a real Slurm cluster started on this machine (root)
 # and a 4-rank job on 2 nodes made of network and UTS namespaces (root; tests/e2e/test_two_nodes.py).

@@ -125,6 +125,18 @@ class MemoryPolicy(str, enum.Enum):
     LOCAL = "local"  # the kernel default: first touch from the bound cpus lands on their node
 
 
+class Backend(str, enum.Enum):
+    HOROVOD = "horovod"  # Horovod over MPI (built from source by make setup)
+    TORCH = "torch"  # torch.distributed with gloo (hvctr.distributed.torch_comm): no Horovod needed
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    # the engine that carries the collectives: horovod, or torch (torch.distributed, gloo; the
+    # same sums in the same order: a model trains bit for bit alike under either, docs/architecture.md)
+    backend: Backend = Backend.HOROVOD
+
+
 @dataclass(frozen=True)
 class TopologyConfig:
     hwmap: str = ""  # hardware map TOML (slurm/hwmaps/); "auto": discover at start; empty: no binding, no placement
@@ -331,6 +343,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class Config:
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     merge: MergeConfig = field(default_factory=MergeConfig)

@@ -17,9 +17,31 @@ from typing import Any
 __all__ = ["Comm", "init_comm"]
 
 
+def init_comm(ranks_per_virtual_node: int = 0, stall_timeout_s: float = 0.0, program: str = "hvctr",
+              backend: str | None = None) -> Any:
+    """The job's communicator over ``backend`` (distributed.backend: "horovod" or "torch";
+    None: HVCTR_BACKEND, else horovod): hvctr.distributed.comm.init_comm or
+    hvctr.distributed.torch_comm.init_torch_comm. Only the chosen engine is imported."""
+    import os
+
+    backend = backend or os.environ.get("HVCTR_BACKEND") or "horovod"
+    if backend == "torch":
+        from hvctr.distributed.torch_comm import init_torch_comm
+
+        return init_torch_comm(ranks_per_virtual_node, stall_timeout_s, program)
+    if backend != "horovod":
+        raise ValueError(f"config key 'distributed.backend': {backend!r} is not one of ['horovod', 'torch']")
+    try:
+        from hvctr.distributed import comm
+    except ImportError as e:
+        raise ValueError(f"distributed.backend = horovod, but Horovod cannot be imported ({e}): build it "
+                         f"(make setup) or train with --distributed.backend=torch") from None
+    return comm.init_comm(ranks_per_virtual_node, stall_timeout_s, program)
+
+
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name == "Comm":
         from hvctr.distributed import comm
 
-        return getattr(comm, name)
+        return comm.Comm
     raise AttributeError(f"module 'hvctr.distributed' has no attribute {name!r}")

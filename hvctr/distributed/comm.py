@@ -199,6 +199,10 @@ class Comm:
         """
         return agree_on(self, fn, name)  # comm: allgather of every rank's error
 
+    def stream(self, name: str) -> ContextManager[None]:
+        """Nothing to choose: Horovod matches collectives by name, whatever thread issues them."""
+        return contextlib.nullcontext()
+
     def barrier(self) -> None:
         with self._waiting("barrier"):
             # comm: barrier

@@ -3,8 +3,9 @@
 - ``ObjectComm``: rank, size and the collectives on small objects (broadcast, allgather,
   barrier). data_prep's processes (``data_prep.mpi.Comm`` and ``MPIComm``) implement it.
 - ``Comm``: ObjectComm plus the node grouping and the tensor collectives training uses.
-  ``hvctr.distributed.comm.Comm`` (Horovod) and ``hvctr.sim.comm.ThreadComm`` (simulated
-  ranks, one thread each) implement it.
+  ``hvctr.distributed.comm.Comm`` (Horovod), ``hvctr.distributed.torch_comm.TorchComm``
+  (torch.distributed) and ``hvctr.sim.comm.ThreadComm`` (simulated ranks, one thread each)
+  implement it.
 
 Code that is handed a communicator names one of these in its type hints (``comm: Comm``), never
 a concrete class, so the same code runs under Horovod, in the simulation and in tests' fakes.
@@ -15,7 +16,7 @@ Light on purpose: no torch, Horovod or mpi4py at import (data_prep imports this 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, Sequence, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -77,5 +78,11 @@ class Comm(ObjectComm, Protocol):
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor: ...
 
     def agree(self, fn: Callable[[], T], name: str) -> T: ...
+
+    def stream(self, name: str) -> ContextManager[None]:
+        """Collectives inside go to stream ``name`` ("behind": a push's rows left behind, which
+        either thread may send), whatever thread issues them. Horovod matches by name and the
+        simulation by rank order: theirs does nothing; torch.distributed's picks a process group."""
+        ...
 
     def shutdown(self) -> None: ...

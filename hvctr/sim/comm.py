@@ -33,11 +33,12 @@ disagree on the collectives) fail the simulation at once, naming the collective.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
 import torch
 
@@ -404,6 +405,10 @@ class ThreadComm:
     def agree(self, fn: Callable[[], T], name: str) -> T:
         """As Comm.agree: ``fn()`` on every rank; a ValueError on any makes every rank raise."""
         return agree_on(self, fn, name)  # comm: allgather of every rank's error
+
+    def stream(self, name: str) -> ContextManager[None]:
+        """Nothing to choose: a simulated rank's collectives pair in its order, whatever thread."""
+        return contextlib.nullcontext()
 
     def barrier(self) -> None:
         # comm: simulated barrier

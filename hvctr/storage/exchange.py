@@ -646,7 +646,8 @@ class ShardedTable:
             p, self._pending = self._pending, None
             if p is None:
                 return
-            with self._call("push_behind") as rec:
+            # comm: its collectives in the "behind" stream, whichever thread sends them (TorchComm's group)
+            with self._call("push_behind") as rec, self.comm.stream("behind"):
                 self._merge_sent(rec, p.window, p.msg, p.splits, p.keep, p.name, p.steps, None)
                 rec["rows"] = float(p.msg.shape[0])
             p.window.pulled = None

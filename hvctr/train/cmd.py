@@ -78,7 +78,8 @@ def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device
 
     from hvctr.distributed import init_comm
 
-    comm = init_comm(cfg.topology.ranks_per_virtual_node, cfg.train.stall_timeout_s, program=f"hvctr {program}")
+    comm = init_comm(cfg.topology.ranks_per_virtual_node, cfg.train.stall_timeout_s, program=f"hvctr {program}",
+                     backend=cfg.distributed.backend.value)
     if comm.rank == 0:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     comm.barrier()  # comm: barrier: the run directory exists before any rank opens its log

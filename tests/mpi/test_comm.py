@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 from hvctr.log import get_logger, setup_logging
@@ -96,3 +97,38 @@ def test_alltoall_with_every_split_empty(comm):
     # a step of merge.shared_rows where no rank touched a shared row: every rank sends nothing
     out, received = comm.alltoall(torch.zeros((0, 17), dtype=torch.float32), [0] * comm.size, name="t.a2a.none")
     assert out.shape == (0, 17) and received.tolist() == [0] * comm.size
+
+
+def test_a_stream_pairs_collectives_whatever_thread_issues_them(comm):
+    """The push's rows left behind go out from the prefetch thread on one rank and from the
+    main thread on another (storage.push_behind): in comm.stream("behind") they pair, and the
+    main thread's collectives meanwhile pair with the other ranks' main-thread ones."""
+    import threading
+
+    def behind(out: list) -> None:
+        with comm.stream("behind"):
+            out.append(comm.allreduce_sum([torch.ones(3)], name="t.stream.behind")[0])
+
+    got: list = []
+    if comm.rank == 0:
+        helper = threading.Thread(target=behind, args=(got,))
+        helper.start()
+        low = comm.allreduce_min_int([comm.rank + 5], name="t.stream.main")
+        helper.join(timeout=60)
+    else:
+        behind(got)
+        low = comm.allreduce_min_int([comm.rank + 5], name="t.stream.main")
+    assert low == [5] and torch.equal(got[0], torch.full((3,), float(comm.size)))
+
+
+def test_ranks_at_different_collectives_fail_naming_it(comm):
+    """TorchComm checks each collective's name across its group (Horovod matches by name
+    itself: a mismatch there waits until the stall watchdog ends the job)."""
+    if type(comm).__name__ != "TorchComm":
+        pytest.skip("Horovod's Comm: names are matched by Horovod, a mismatch stalls")
+    if comm.size == 1:
+        pytest.skip("one rank cannot disagree")
+    with pytest.raises(RuntimeError, match=rf"collective 't.mismatch.{comm.rank}' on rank {comm.rank}: another rank "
+                                           r"of its group is at a different collective"):
+        comm.allreduce_min_int([1], name=f"t.mismatch.{comm.rank}")
+    assert comm.allreduce_max_int([comm.rank], name="t.after") == [comm.size - 1]  # the ranks go on together

@@ -100,6 +100,12 @@ def test_horovods_comm_implements_comm_inspected_as_a_class():
     assert protocol_problems(HorovodComm, Comm) == []
 
 
+def test_torch_distributed_comm_implements_comm_inspected_as_a_class():
+    from hvctr.distributed.torch_comm import TorchComm
+
+    assert protocol_problems(TorchComm, Comm) == []
+
+
 def test_data_preps_comms_implement_object_comm():
     from data_prep.mpi import Comm as OneProcess, MPIComm
 

@@ -49,6 +49,7 @@ def test_data_prep_names_the_damaged_gzip_and_leaves_no_tmp(inputs, tmp_path, ca
 def test_hvctr_score_names_the_damaged_gzip_and_leaves_no_out(inputs, tmp_path, monkeypatch):
     class Model:
         batch_size = 512
+        multi_valued = None  # the export's data had one value a field
 
         def logits(self, dense, keys):
             import torch
