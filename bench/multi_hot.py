@@ -15,7 +15,9 @@ TorchRec's rate and the dense part by Adam:
   states against per-column ones on this data;
 - TorchRec (bench.baseline --runs torchrec --arch ...): its DLRM / DLRM_DCN modules over one
   FusedEmbeddingBagCollection (fbgemm's fused EXACT_ROWWISE_ADAGRAD, sum pooling), one process of
-  2 threads, batch 4096, the KeyedJaggedTensors built in its training loop (kjt_build_s).
+  2 threads, the KeyedJaggedTensors built in its training loop (kjt_build_s); at batch 4096 (as
+  bench.train's peers run it) and at 8192, hvctr's global batch (2 ranks x 4096: the same samples
+  a step, so the same steps an epoch, which is what its AUC is compared at).
 
 Speeds are medians over rounds; AUC is the last round's.
 """
@@ -43,11 +45,16 @@ ROWWISE = ["--train.sparse_optimizer=rowwise_adagrad", f"--train.sparse_lr={TORC
 SYSTEMS: dict[str, tuple[str, list[str]]] = {  # name: ("hvctr" | "torchrec", flags)
     "hvctr_dlrm": ("hvctr", COMMON + ["--model.arch=dlrm"] + ROWWISE),
     "torchrec_dlrm": ("torchrec", ["--arch", "dlrm"]),
+    "torchrec_dlrm_b8192": ("torchrec", ["--arch", "dlrm", "--batch-size", "8192"]),
     "hvctr_dlrm-dcnv2": ("hvctr", COMMON + ["--model.arch=dlrm-dcnv2"] + ROWWISE),
     "torchrec_dlrm-dcnv2": ("torchrec", ["--arch", "dlrm-dcnv2", "--cross-rank", str(CROSS_RANK)]),
+    "torchrec_dlrm-dcnv2_b8192": ("torchrec", ["--arch", "dlrm-dcnv2", "--cross-rank", str(CROSS_RANK),
+                                               "--batch-size", "8192"]),
     "hvctr_dlrm_adam": ("hvctr", COMMON + ["--model.arch=dlrm"]),
 }
-PAIRS = (("hvctr_dlrm", "torchrec_dlrm"), ("hvctr_dlrm-dcnv2", "torchrec_dlrm-dcnv2"))
+# hvctr's run: (TorchRec at batch 4096, as bench.train's peers; TorchRec at hvctr's global batch, 2 x 4096)
+PAIRS = {"hvctr_dlrm": ("torchrec_dlrm", "torchrec_dlrm_b8192"),
+         "hvctr_dlrm-dcnv2": ("torchrec_dlrm-dcnv2", "torchrec_dlrm-dcnv2_b8192")}
 
 
 def measure(data_sets: list[tuple[int, Path]], rows: int, rounds: int, sizes: str) -> dict[str, Any]:
@@ -90,26 +97,26 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
              f"MLP's output and the embeddings, then the top MLP. Table: row-wise Adagrad at {TORCHREC_LR} (fbgemm's "
              f"fused EXACT_ROWWISE_ADAGRAD in TorchRec; hvctr's rowwise_adagrad), dense part Adam at 0.001. hvctr: "
              f"k = 8 at 2 ranks of one thread, batch 4096 a rank, one epoch (its rates at one rank, merge.lr_scaling "
-             f"= sqrt); TorchRec: its DLRM / DLRM_DCN modules, one process of 2 threads, batch 4096, one epoch. "
+             f"= sqrt); TorchRec: its DLRM / DLRM_DCN modules, one process of 2 threads, batch 4096 and 8192 "
+             f"(hvctr's global batch: the same steps an epoch), one epoch. "
              f"Speeds: medians of {len(res['sets'][0]['rounds'])} interleaved rounds; AUC of the last.", "",
-             "| data set | system | samples/s (median) | per round | vs TorchRec, same model | AUC "
-             "| AUC vs TorchRec | AUC vs hvctr DLRM Adam |", "|---|---|---|---|---|---|---|---|"]
+             "| data set | system | samples/s (median) | per round | vs TorchRec, same model (batch 4096 / 8192) | AUC "
+             "| AUC vs TorchRec (batch 4096 / 8192) | AUC vs hvctr DLRM Adam |", "|---|---|---|---|---|---|---|---|"]
     for s in res["sets"]:
         R = s["rounds"]
         names = [r["system"] for r in R[0]]
         sps = {n: _median(R, i) for i, n in enumerate(names)}
         auc = {n: R[-1][i].get("auc") for i, n in enumerate(names)}
-        peer = {a: b for a, b in PAIRS}
         for i, n in enumerate(names):
             per = ", ".join(f"{r[i]['samples_per_s']:,.0f}" for r in R if r[i].get("samples_per_s"))
             ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
             diff = lambda a, b: f"{a - b:+.4f}" if a is not None and b is not None else "-"  # noqa: E731
-            other = peer.get(n)
+            peers = PAIRS.get(n, ())
             lines.append(f"| seed {s['seed']} (Bayes {s['bayes_auc']:.4f}) | {n} | "
                          + (f"{sps[n]:,.0f}" if sps[n] else "skipped") + f" | {per} | "
-                         + (ratio(sps[n], sps.get(other)) if other else "-") + " | "
+                         + (" / ".join(ratio(sps[n], sps.get(p)) for p in peers) or "-") + " | "
                          + (f"{auc[n]:.4f}" if auc[n] is not None else "-")
-                         + f" | {diff(auc[n], auc.get(other)) if other else '-'} | "
+                         + f" | {' / '.join(diff(auc[n], auc.get(p)) for p in peers) or '-'} | "
                          + (diff(auc[n], auc.get("hvctr_dlrm_adam")) if n == "hvctr_dlrm" else "-") + " |")
     kjt = "; ".join(f"seed {s['seed']}: " + ", ".join(
         f"{r['system']} {r['kjt_build_s']:.1f} s of {r['train_s']:.1f} s" for r in s["rounds"][-1]

@@ -80,15 +80,16 @@ def make_data(work: Path, rows: int, seed: int = 11, multi_hot: str = "") -> tup
     return data, bayes
 
 
-def hvctr_run(work: Path, data: Path, name: str, flags: list[str], src: Path | None = None) -> dict[str, Any]:
-    """One 2-rank training run; a run whose summary exists is not repeated (resumable bench).
-    ``src``: run the hvctr of that source tree (a checkout of an earlier commit, its kernels
-    built) instead of this one's."""
+def hvctr_run(work: Path, data: Path, name: str, flags: list[str], src: Path | None = None,
+              np_: int = 2) -> dict[str, Any]:
+    """One training run of ``np_`` ranks (2); a run whose summary exists is not repeated
+    (resumable bench). ``src``: run the hvctr of that source tree (a checkout of an earlier
+    commit, its kernels built) instead of this one's."""
     run_dir = work / "runs" / name
     if not (run_dir / "summary.json").exists():
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
-        cmd = ["mpirun", "-np", "2", "--bind-to", "none", *(["-x", f"PYTHONPATH={src}"] if src else []),
+        cmd = ["mpirun", "-np", str(np_), "--bind-to", "none", *(["-x", f"PYTHONPATH={src}"] if src else []),
                PY, "-m", "mpi4py", "-m", "hvctr", "train",
                f"--data.train_dir={data}", f"--train.run_dir={run_dir}", "--metrics.log_every_steps=1000",
                "--storage.rows_per_rank=4000000", "--storage.max_working_set_rows=2000000", *flags]
@@ -100,7 +101,7 @@ def hvctr_run(work: Path, data: Path, name: str, flags: list[str], src: Path | N
             "logloss": s["eval"]["logloss"], "calibration": _calibration(s["eval"]), "time_split_s": s["time_split_s"],
             "dense_bytes_per_sample": s["dense_bytes_per_sample"], "sparse_bytes_per_sample": s["sparse_bytes_per_sample"],
             "cache_hit_rate": s["store"]["cache_hit_rate"], "shard_rows_rank0": s["store"]["shard_rows"],
-            "ahead_s": s.get("exchange", {}).get("ahead_total_s", 0.0),
+            "ahead_s": s.get("exchange", {}).get("ahead_total_s", 0.0), "exchange": s.get("exchange", {}),
             "flags": flags}
 
 

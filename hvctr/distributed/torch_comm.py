@@ -342,18 +342,40 @@ def _free_port() -> int:
 
 def rendezvous(environ=os.environ) -> tuple[int, int, str]:
     """(rank, size, init_method) from the launcher: torchrun's variables where set, else MPI's
-    world (mpirun, srun --mpi=pmix), rank 0's host name and a free port broadcast to the others."""
+    world (mpirun, srun --mpi=pmix) and an address of rank 0 with a free port, sent to the
+    others: HVCTR_MASTER_ADDR where set, the loopback where every rank is on one host, else the
+    address rank 0's host name resolves to (gloo connects the ranks by their host names' addresses
+    too, or through GLOO_SOCKET_IFNAME's interface)."""
     if all(k in environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return int(environ["RANK"]), int(environ["WORLD_SIZE"]), "env://"
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    where = (socket.gethostname(), _free_port()) if rank == 0 else None
+    # comm: mpi4py allgather of host names (once, before torch.distributed starts)
+    hosts = world.allgather(socket.gethostname())
+    where: tuple[str, int] | str | None = None
+    if rank == 0:
+        addr = environ.get("HVCTR_MASTER_ADDR", "")
+        if not addr and all(h == hosts[0] for h in hosts):
+            addr = "127.0.0.1"  # one machine: the loopback, whatever the host name resolves to
+        problem = ""
+        if not addr:
+            try:
+                addr = socket.gethostbyname(hosts[0])
+                if addr.startswith("127."):
+                    problem = f"rank 0's host name {hosts[0]!r} resolves to the loopback {addr}"
+            except OSError as e:
+                problem = f"rank 0's host name {hosts[0]!r} does not resolve ({e})"
+        where = ((addr, _free_port()) if not problem else
+                 f"distributed.backend = torch on {len(set(hosts))} hosts: {problem}; set HVCTR_MASTER_ADDR to an "
+                 f"address of rank 0's node the other nodes reach (and GLOO_SOCKET_IFNAME to the interface gloo "
+                 f"should use)")
     # comm: mpi4py broadcast of rank 0's address (once, before torch.distributed starts)
-    host, port = world.bcast(where, root=0)
-    if size > 1 and all(h == host for h in world.allgather(socket.gethostname())):  # comm: mpi4py allgather of hosts
-        host = "127.0.0.1"  # one machine: the loopback, whatever the host name resolves to
+    where = world.bcast(where, root=0)
+    if isinstance(where, str):
+        raise ValueError(where)
+    host, port = where
     return rank, size, f"tcp://{host}:{port}"
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import VENV_PY
 from tests.e2e.helpers import copy_checkout, job_env, make_dataset, train_cmd
 
 COMPILERS = ["cc", "gcc", "g++", "c++", "cpp", "clang", "clang++", "ld", "as", "x86_64-linux-gnu-gcc",
@@ -36,7 +37,8 @@ def test_pip_install_into_a_fresh_venv_then_the_unit_tests_pass(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "HVCTR_NATIVE")}
     # The documented two lines (docs/install.md, Installing with pip anywhere): the Horovod wheel (cached by make setup), then pip.
     wheels = _run([str(src / "install" / "horovod-wheel.sh"), str(py)], env=env, timeout=900).stdout.strip()
-    _run([str(py), "-m", "pip", "install", "-q", "-c", "install/constraints.txt", "--find-links", wheels, ".[test]"],
+    _run([str(py), "-m", "pip", "install", "-q", "-c", "install/constraints.txt", "--find-links", wheels,
+          ".[horovod,test]"],
          cwd=src, env=env, timeout=900)
     # hvctr comes from the venv, its kernels built by the install, not from the source tree
     probe = ("from hvctr.kernels import native; import hvctr, horovod.torch; "
@@ -63,6 +65,33 @@ def test_pip_install_into_a_fresh_venv_then_the_unit_tests_pass(tmp_path):
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     return make_dataset(tmp_path_factory)
+
+
+def test_without_horovod_pip_install_trains_2_ranks_on_torch_distributed(dataset, tmp_path):
+    """Horovod is an extra: `pip install .` leaves it out, hvctr trains on distributed.backend =
+    torch, and a job that asks for Horovod stops at start saying how to get it or go without."""
+    src = copy_checkout(tmp_path / "src")
+    venv = tmp_path / "venv"
+    base = getattr(sys, "_base_executable", None) or shutil.which("python3")
+    _run([base, "-m", "venv", str(venv)])
+    py = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "HVCTR_NATIVE",
+                                                               "HVCTR_BACKEND")}
+    _run([str(py), "-m", "pip", "install", "-q", "-c", "install/constraints.txt", "."], cwd=src, env=env, timeout=900)
+    r = subprocess.run([str(py), "-c", "import horovod"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode != 0 and "No module named 'horovod'" in r.stderr
+    cmd = train_cmd(2, tmp_path / "run", dataset, "--train.max_steps=8", "--distributed.backend=torch")
+    cmd[cmd.index(VENV_PY)] = str(py)
+    r = subprocess.run(cmd, env={**job_env(), **env}, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["eval"]["auc"] > 0.5
+    cmd = train_cmd(2, tmp_path / "run-hvd", dataset, "--train.max_steps=8")
+    cmd[cmd.index(VENV_PY)] = str(py)
+    r = subprocess.run(cmd, env={**job_env(), **env}, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode != 0
+    assert ("distributed.backend = horovod, but Horovod cannot be imported" in r.stdout + r.stderr
+            and "--distributed.backend=torch" in r.stdout + r.stderr), r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def _recorder(tmp_path: Path) -> tuple[Path, Path]:
