@@ -79,7 +79,9 @@ class TwoNodes:
         self.workdir = workdir
         tag = f"hvctr{os.getpid()}"
         self.netns = [f"{tag}-node{i}" for i in range(2)]
-        self.veth = [f"hv{os.getpid()}v{i}"[:15] for i in range(2)]  # interface names: 15 chars at most
+        # one interface name on both nodes (each end lives in its own namespace), as a cluster's nodes
+        # name their NICs alike: GLOO_SOCKET_IFNAME names it once for every rank (15 chars at most)
+        self.veth = [f"hv{os.getpid()}"[:15]] * 2
         self.uts = [workdir / f"uts-node{i}" for i in range(2)]  # bind mounts that keep the UTS namespaces
         self.scratch = [workdir / f"scratch-node{i}" for i in range(2)]
         self.agent = workdir / "rsh-agent.sh"

@@ -21,6 +21,9 @@ What it shows:
   checkpoint) is bit-equal to the same job on one node with the same grouping in virtual nodes
   (topology.ranks_per_virtual_node = 2): the summation order is the same, (r0 + r1) + (r2 + r3),
   whatever carries the bytes;
+- the same job on the other engine (distributed.backend = torch: torch.distributed over gloo,
+  rank 0's veth address as HVCTR_MASTER_ADDR, GLOO_SOCKET_IFNAME the veth, whose name both nodes
+  share) trains the Horovod job's model bit for bit: hvctr fixes the summation order;
 - the same command on one node without virtual nodes has one node, so its merge is the flat
   allreduce (OpenMPI's ring, pinned by job_env: each chunk summed in a rotated rank order).
   Float addition is not associative, so the merged dense parameters differ in their last bits
@@ -31,7 +34,7 @@ What it shows:
 Skipped, with the reason, where not root or where ``ip netns`` / unshare / nsenter are
 missing; it runs as root on the CI machine (``make test``). Three 4-rank jobs of 16 steps on
 the e2e data set, about 50 s of CPU in all (wall time measured: 3 minutes with the 2 cores
-shared at a load average of 15-20). Namespaces, veth pair and tmpfs mounts are removed at
+shared at a load average of 15-20); the torch engine's run adds a fourth. Namespaces, veth pair and tmpfs mounts are removed at
 teardown, also after a failure or a timeout (every process left in the namespaces is killed).
 """
 
@@ -47,7 +50,7 @@ import numpy as np
 import pytest
 
 from tests.e2e.helpers import assert_same_model, final_model, job_env, make_dataset, signal_job, train, train_cmd
-from tests.e2e.netns_nodes import HOSTS, NodesUnavailable, TwoNodes, check_prerequisites
+from tests.e2e.netns_nodes import ADDRESSES, HOSTS, NodesUnavailable, TwoNodes, check_prerequisites
 
 # k = 4, 16 steps: 4 merges. One torch thread everywhere: the thread count must not differ
 # between the runs compared (two nodes would give each rank a cpu more than one node does).
@@ -86,16 +89,15 @@ def dataset(tmp_path_factory) -> Path:
     return make_dataset(tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def two_node_run(nodes, dataset, tmp_path_factory) -> TwoNodeRun:
-    run = tmp_path_factory.mktemp("run") / "two-nodes"
-    cmd = train_cmd(4, run, dataset, *FLAGS)
+def _two_node_job(nodes, dataset: Path, run: Path, mpirun_args: tuple[str, ...] = (),
+                  flags: tuple[str, ...] = ()) -> TwoNodeRun:
+    cmd = train_cmd(4, run, dataset, *FLAGS, *flags)
     assert cmd[:3] == ["mpirun", "-np", "4"]
-    log = run.parent / "two-nodes.log"
+    log = run.parent / f"{run.name}.log"
     sent_before = nodes.tx_bytes()
     with open(log, "w") as out:
-        p = subprocess.Popen(nodes.mpirun_prefix(ranks_per_node=2) + cmd[1:], env=job_env(), stdout=out,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(nodes.mpirun_prefix(ranks_per_node=2) + list(mpirun_args) + cmd[1:], env=job_env(),
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         rc = p.wait(timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -107,6 +109,20 @@ def two_node_run(nodes, dataset, tmp_path_factory) -> TwoNodeRun:
         raise AssertionError(f"the two-node job {'timed out' if rc is None else f'failed ({rc})'}:\n"
                              f"{log.read_text()[-6000:]}")
     return TwoNodeRun(run, [b - a for a, b in zip(sent_before, nodes.tx_bytes())])
+
+
+@pytest.fixture(scope="module")
+def two_node_run(nodes, dataset, tmp_path_factory) -> TwoNodeRun:
+    return _two_node_job(nodes, dataset, tmp_path_factory.mktemp("run") / "two-nodes")
+
+
+@pytest.fixture(scope="module")
+def two_node_torch_run(nodes, dataset, tmp_path_factory) -> TwoNodeRun:
+    """The same job on torch.distributed: rank 0's address on the veth subnet (the namespaced host
+    names resolve nowhere) and gloo kept to the veth, as a cluster's site settings would say."""
+    return _two_node_job(nodes, dataset, tmp_path_factory.mktemp("run") / "two-nodes-torch",
+                         ("-x", f"HVCTR_MASTER_ADDR={ADDRESSES[0]}", "-x", f"GLOO_SOCKET_IFNAME={nodes.veth[0]}"),
+                         ("--distributed.backend=torch",))
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +179,12 @@ def test_model_close_to_one_node_flat(two_node_run, one_node_runs):
     keys = sorted(sa)
     a, b = np.stack([sa[k] for k in keys]), np.stack([sb[k] for k in keys])
     assert np.allclose(a, b, rtol=0, atol=SPARSE_ATOL), float(np.abs(a - b).max())
+
+
+def test_torch_distributed_on_two_nodes_trains_horovods_model_bit_for_bit(two_node_run, two_node_torch_run):
+    """distributed.backend = torch across the veth pair: the ranks find their nodes, the merge is
+    hierarchical, and the model is the Horovod job's, bit for bit (hvctr fixes the order)."""
+    summary = json.loads((two_node_torch_run.dir / "summary.json").read_text())
+    assert summary["nodes"] == [[0, 1], [2, 3]] and summary["dense_merge"] == "hierarchical"
+    assert min(two_node_torch_run.veth_tx_bytes) > summary["dense_merge_bytes"]
+    assert_same_model(two_node_run.dir, two_node_torch_run.dir)
