@@ -43,10 +43,10 @@ class Window:
     labels: np.ndarray  # float32 [n, B]
     dense: np.ndarray  # float32 [n, B, num_dense]
     # int64 [n, B, F]: index of each key in unique_keys; multi-valued data: a Bags of the
-    # n x B rows' positions (batch_positions(i) is batch i's)
+    # n x B rows' positions (``bags`` below holds each batch's, ready for the pooled gather)
     positions: np.ndarray | Bags
     unique_keys: np.ndarray  # uint64 [U]: sorted; routed, grouped by owner (sorted within each)
-    batch_unique: list[tuple[torch.Tensor, torch.Tensor]]  # per batch: batch_unique(positions[i])
+    batch_unique: list[tuple[torch.Tensor, torch.Tensor]]  # per batch: batch_unique of its positions
     # unique_keys routed to their owners, and what the owners were asked once warm or pull sent
     # them (None: not routed, and no warm ran)
     exchange: WindowExchange | None = None
