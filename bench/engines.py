@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import machine_line, write_section
+from bench.report import machine_line, publish
 from bench.train import _with_load, hvctr_run, make_data
 
 HEADING = "## The collectives' engines: Horovod and torch.distributed"
@@ -90,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.engines " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.time()
     res = measure(work, args.rows, ranks, args.rounds)
-    text = render(res, command, machine_line()) + f"\nWall time of the benchmark: {(time.time() - t0) / 60:.1f} min.\n"
-    print(text)
-    if args.benchmarks:
-        write_section(args.benchmarks, HEADING, text)
+    publish(render(res, command, machine_line()), t0, args.benchmarks, HEADING)
     return 0
 
 

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import machine_line, write_section
+from bench.report import data_set_specs, machine_line, publish
 from bench.train import _with_load, hvctr_run, make_data, reference_run
 
 HEADING = "## Multi-hot data: hvctr against TorchRec's DLRM and DLRM_DCN"
@@ -138,20 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multi-hot", default=MLPERF_SIZES, help="data_prep synth --multi-hot sizes (default MLPerf's)")
     p.add_argument("--benchmarks", default="", help="markdown file to write the section into (default: none)")
     args = p.parse_args(argv)
-    sets = []
-    for spec in args.data_set:
-        seed, _, where = spec.partition("=")
-        if not seed.isdigit() or not where:
-            p.error(f"--data-set {spec!r}: expected SEED=DIR")
-        Path(where).mkdir(parents=True, exist_ok=True)
-        sets.append((int(seed), Path(where)))
+    sets = data_set_specs(p, args.data_set)
     command = "python -m bench.multi_hot " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.time()
     res = measure(sets, args.rows, args.rounds, args.multi_hot)
-    text = render(res, command, machine_line()) + f"\nWall time of the benchmark: {(time.time() - t0) / 60:.1f} min.\n"
-    print(text)
-    if args.benchmarks:
-        write_section(args.benchmarks, HEADING, text)
+    publish(render(res, command, machine_line()), t0, args.benchmarks, HEADING)
     return 0
 
 

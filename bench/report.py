@@ -38,3 +38,28 @@ def machine_line() -> str:
     load = os.getloadavg()[0]
     return (f"{os.cpu_count()} cpus ({model}), {mem:.0f} GiB, {platform.system()} {platform.release()}, "
             f"Python {platform.python_version()}, load average {load:.1f} at the start")
+
+
+def data_set_specs(parser, specs: list[str]) -> list[tuple[int, Path]]:
+    """``--data-set SEED=DIR`` values -> [(seed, directory)], each directory made; a bad one is
+    the parser's error naming it."""
+    out = []
+    for spec in specs:
+        seed, _, where = spec.partition("=")
+        if not seed.isdigit() or not where:
+            parser.error(f"--data-set {spec!r}: expected SEED=DIR")
+        Path(where).mkdir(parents=True, exist_ok=True)
+        out.append((int(seed), Path(where)))
+    return out
+
+
+def publish(text: str, t0: float, benchmarks: str, heading: str) -> None:
+    """A benchmark's section with its wall time, printed and, where ``benchmarks`` names a
+    markdown file, written into it under ``heading``."""
+    import time
+
+    text += f"\nWall time of the benchmark: {(time.time() - t0) / 60:.1f} min.\n"
+    print(text)
+    if benchmarks:
+        write_section(benchmarks, heading, text)
+

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import machine_line, write_section
+from bench.report import data_set_specs, machine_line, publish
 from bench.train import _with_load, hvctr_run, make_data, reference_run
 from hvctr.formats import RowLayout, SparseOptimizer
 from hvctr.plan.model import shard_bytes
@@ -133,20 +133,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="also adam and rowwise_adagrad with the cache at 10%% of Adam's table (the same bytes)")
     p.add_argument("--benchmarks", default="", help="markdown file to write the section into (default: none)")
     args = p.parse_args(argv)
-    sets = []
-    for spec in args.data_set:
-        seed, _, where = spec.partition("=")
-        if not seed.isdigit() or not where:
-            p.error(f"--data-set {spec!r}: expected SEED=DIR")
-        Path(where).mkdir(parents=True, exist_ok=True)
-        sets.append((int(seed), Path(where)))
+    sets = data_set_specs(p, args.data_set)
     command = "python -m bench.row_states " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.time()
     res = measure(sets, args.rows, args.rounds, args.out_of_core)
-    text = render(res, command, machine_line()) + f"\nWall time of the benchmark: {(time.time() - t0) / 60:.1f} min.\n"
-    print(text)
-    if args.benchmarks:
-        write_section(args.benchmarks, HEADING, text)
+    publish(render(res, command, machine_line()), t0, args.benchmarks, HEADING)
     return 0
 
 

@@ -64,9 +64,6 @@ class Bags:
             raise ValueError(f"Bags: {values.shape[0]} values for bags of {self.values.size}")
         return Bags(values, self.lengths)
 
-    def nbytes(self) -> int:
-        return int(self.values.nbytes + self.lengths.nbytes)
-
 
 def concat_bags(parts: list[Bags]) -> Bags:
     """The rows of ``parts``, one after another."""

@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Mapping, NamedTuple
+from typing import Iterator, Mapping, NamedTuple
 
 import h5py
 import numpy as np
@@ -204,54 +204,46 @@ class ShardReader:
                 raise ValueError(f"{path}: dataset {name!r} does not match its checksum in "
                                  f"manifest.json ({got} != {want}): the file is corrupt or from another run")
 
-    def read_rows(self, lo: int, hi: int) -> Batch:
-        """Rows [lo, hi) of this rank's stream (labels, dense, keys): one slice read per shard it crosses."""
-        if not 0 <= lo <= hi <= self.rows:
-            raise ValueError(f"row range [{lo}, {hi}) is outside [0, {self.rows}]")
-        if self.multi_valued:
-            return self._read_bags(lo, hi)
-        out = (np.empty(hi - lo, np.float32), np.empty((hi - lo, NUM_DENSE), np.float32),
-               np.empty((hi - lo, NUM_FIELDS), np.uint64))
+    def _spans(self, lo: int, hi: int) -> Iterator[tuple[int, int, int, slice]]:
+        """(shard index, first row, end row in that shard, destination slice) of each non-empty
+        part of rows [lo, hi) of the stream: one per shard it crosses."""
         i = int(np.searchsorted(self._starts, lo, side="right")) - 1
         pos = lo
         while pos < hi:
-            a = pos - self._starts[i]
-            b = min(hi, self._starts[i + 1]) - self._starts[i]
-            f = self._files[i]
-            dest = np.s_[pos - lo:pos - lo + (b - a)]
-            for name, arr in zip(("labels", "dense", "keys"), out):
-                if b > a:
-                    f[name].read_direct(arr, source_sel=np.s_[a:b], dest_sel=dest)
+            a = int(pos - self._starts[i])
+            b = int(min(hi, self._starts[i + 1]) - self._starts[i])
+            if b > a:
+                yield i, a, b, np.s_[pos - lo:pos - lo + (b - a)]
             pos += b - a
             i += 1
-        return Batch(*out)
 
-    def _read_bags(self, lo: int, hi: int) -> Batch:
-        """read_rows of multi-valued data: each shard's row offsets say which slice of its keys
-        the rows hold; one slice read per dataset per shard crossed."""
+    def read_rows(self, lo: int, hi: int) -> Batch:
+        """Rows [lo, hi) of this rank's stream (labels, dense, keys): one slice read per dataset
+        per shard it crosses. Multi-valued data: each shard's row offsets say which slice of its
+        keys the rows hold, and the keys come back as Bags."""
+        if not 0 <= lo <= hi <= self.rows:
+            raise ValueError(f"row range [{lo}, {hi}) is outside [0, {self.rows}]")
         labels, dense = np.empty(hi - lo, np.float32), np.empty((hi - lo, NUM_DENSE), np.float32)
-        lengths = np.empty((hi - lo, NUM_FIELDS), np.uint16)
-        keys: list[np.ndarray] = []
-        i = int(np.searchsorted(self._starts, lo, side="right")) - 1
-        pos = lo
-        while pos < hi:
-            a = pos - self._starts[i]
-            b = min(hi, self._starts[i + 1]) - self._starts[i]
+        fixed = {"labels": labels, "dense": dense}
+        if self.multi_valued:
+            fixed["lengths"] = np.empty((hi - lo, NUM_FIELDS), np.uint16)
+        else:
+            fixed["keys"] = np.empty((hi - lo, NUM_FIELDS), np.uint64)
+        flat: list[np.ndarray] = []
+        for i, a, b, dest in self._spans(lo, hi):
             f = self._files[i]
-            dest = np.s_[pos - lo:pos - lo + (b - a)]
-            if b > a:
-                for name, arr in (("labels", labels), ("dense", dense), ("lengths", lengths)):
-                    f[name].read_direct(arr, source_sel=np.s_[a:b], dest_sel=dest)
+            for name, arr in fixed.items():
+                f[name].read_direct(arr, source_sel=np.s_[a:b], dest_sel=dest)
+            if self.multi_valued:
                 ka, kb = (int(x) for x in f["offsets"][a:b + 1][[0, -1]])
-                got = lengths[dest].sum(dtype=np.int64)
+                got = fixed["lengths"][dest].sum(dtype=np.int64)
                 if kb - ka != got or not 0 <= ka <= kb <= f["keys"].shape[0]:
                     raise ValueError(f"{self.paths[i]}: rows [{a}, {b}) hold keys [{ka}, {kb}) by 'offsets', "
                                      f"{got} by 'lengths': the file is damaged or was not written by data_prep")
-                keys.append(f["keys"][ka:kb])
-            pos += b - a
-            i += 1
-        flat = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
-        return Batch(labels, dense, Bags(flat, lengths))
+                flat.append(f["keys"][ka:kb])
+        if not self.multi_valued:
+            return Batch(labels, dense, fixed["keys"])
+        return Batch(labels, dense, Bags(np.concatenate(flat) if flat else np.zeros(0, np.uint64), fixed["lengths"]))
 
     def close(self) -> None:
         for f in self._files:

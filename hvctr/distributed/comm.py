@@ -21,17 +21,16 @@ back on its tensor's own device (``_staged``).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
-import numpy as np
 import torch
 
 import horovod.torch as hvd
 
+from hvctr.distributed.payload import decode_object as _decode, encode_object as _encode
 from hvctr.distributed.watchdog import CollectiveWatchdog
 from hvctr.distributed.world import FUSION_THRESHOLD_BYTES, agree_on, world_rank  # noqa: F401 (world_rank: callers import it here)
 
@@ -212,15 +211,6 @@ class Comm:
         if self.watchdog is not None:
             self.watchdog.close()
         hvd.shutdown()
-
-
-def _encode(obj: Any) -> torch.Tensor:
-    data = json.dumps(obj, sort_keys=True).encode()
-    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
-
-
-def _decode(t: torch.Tensor) -> Any:
-    return json.loads(bytes(t.numpy().tobytes()).decode()) if t.numel() else None
 
 
 def _node_grouping(ranks_per_virtual_node: int) -> list[list[int]]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import socket
 import threading
@@ -43,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from hvctr.distributed.watchdog import CollectiveWatchdog
-from hvctr.distributed.world import agree_on, fusion_threshold_bytes
+from hvctr.distributed.payload import decode_object as _decode, encode_object as _encode
+from hvctr.distributed.world import agree_on, fusion_chunks, fusion_threshold_bytes, ring_blocks
 
 T = TypeVar("T")
 
@@ -146,9 +146,8 @@ class TorchComm:
             for p in parts[1:]:
                 acc += p
             return acc
-        late, split = divmod(count, n)
-        early = late + (1 if split else 0)
-        sizes = [early if j < split else late for j in range(n)]
+        sizes = ring_blocks(count, n)
+        early = sizes[0]
         recv = torch.empty(n * sizes[me], dtype=flat.dtype)
         # comm: alltoall of the fusion buffer's blocks: block j to the group's rank j
         dist.all_to_all_single(recv, flat, output_split_sizes=[sizes[me]] * n, input_split_sizes=sizes, group=group)
@@ -172,7 +171,8 @@ class TorchComm:
         with self._waiting(name):
             self._check_name(name, group)
             for idxs in by_dtype.values():
-                for chunk in self._fusion_chunks(idxs, host):
+                for chunk in fusion_chunks([(i, host[i].numel() * host[i].element_size()) for i in idxs],
+                                           self._fusion_bytes):
                     summed = self._ring_sum(torch.cat([host[i].reshape(-1) for i in chunk]), group, n, me)
                     pos = 0
                     for i in chunk:
@@ -180,19 +180,6 @@ class TorchComm:
                         out[i] = summed[pos:pos + k].reshape(host[i].shape)
                         pos += k
         return [o.to(t.device) for o, t in zip(out, tensors)]  # type: ignore[union-attr]
-
-    def _fusion_chunks(self, idxs: list[int], tensors: list[torch.Tensor]) -> list[list[int]]:
-        chunks: list[list[int]] = []
-        size = 0
-        for i in idxs:
-            b = tensors[i].numel() * tensors[i].element_size()
-            if chunks and size + b <= self._fusion_bytes:
-                chunks[-1].append(i)
-                size += b
-            else:
-                chunks.append([i])
-                size = b
-        return chunks
 
     def allreduce_sum(self, tensors: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
         """Elementwise sums over ranks of a list of tensors, in hvctr's ring order."""
@@ -323,15 +310,6 @@ class TorchComm:
             self.watchdog.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _encode(obj: Any) -> torch.Tensor:
-    data = json.dumps(obj, sort_keys=True).encode()
-    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
-
-
-def _decode(t: torch.Tensor) -> Any:
-    return json.loads(bytes(t.numpy().tobytes()).decode()) if t.numel() else None
 
 
 def _free_port() -> int:

@@ -39,6 +39,30 @@ def fusion_threshold_bytes(environ=os.environ) -> int:
     return int(environ.get("HOROVOD_FUSION_THRESHOLD", FUSION_THRESHOLD_BYTES))
 
 
+def fusion_chunks(sizes: list[tuple[int, int]], threshold: int) -> list[list[int]]:
+    """(index, bytes) of a grouped allreduce's tensors of one dtype, in list order -> the indices
+    each fusion buffer packs: a tensor joins the current buffer while the buffer stays within
+    ``threshold`` bytes, else starts the next (one larger than it goes alone). The summation
+    order of hvctr.sim.comm and hvctr.distributed.torch_comm follows these buffers."""
+    chunks: list[list[int]] = []
+    size = 0
+    for i, b in sizes:
+        if chunks and size + b <= threshold:
+            chunks[-1].append(i)
+            size += b
+        else:
+            chunks.append([i])
+            size = b
+    return chunks
+
+
+def ring_blocks(count: int, n: int) -> list[int]:
+    """The lengths of the n blocks OpenMPI's ring allreduce cuts ``count`` elements into: the
+    first ``count % n`` one element longer. Block j is summed from rank j upwards."""
+    late, split = divmod(count, n)
+    return [late + 1 if j < split else late for j in range(n)]
+
+
 class AgreedError(ValueError):
     """The same user error on every rank, decided together; ``report``: print it here."""
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
 import torch
 
-from hvctr.distributed.world import agree_on, fusion_threshold_bytes
+from hvctr.distributed.world import agree_on, fusion_chunks, fusion_threshold_bytes, ring_blocks
 
 T = TypeVar("T")
 
@@ -203,17 +203,15 @@ class ThreadWorld:
             for x in flat[1:]:
                 acc += x
             return acc
-        late = count // n
-        split = count % n
-        early = late + (1 if split else 0)
         out = torch.empty_like(flat[0])
-        for j in range(n):
-            lo = j * early if j < split else split * early + (j - split) * late
-            hi = lo + (early if j < split else late)
+        lo = 0
+        for j, size in enumerate(ring_blocks(count, n)):
+            hi = lo + size
             acc = flat[j][lo:hi].clone()
             for m in range(1, n):
                 acc += flat[(j + m) % n][lo:hi]
             out[lo:hi] = acc
+            lo = hi
         return out
 
     def sum_lists(self, per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -229,7 +227,8 @@ class ThreadWorld:
         for i, t in enumerate(per_rank[0]):
             by_dtype.setdefault(t.dtype, []).append(i)
         for idxs in by_dtype.values():
-            for chunk in self._fusion_chunks(idxs, per_rank[0]):
+            nbytes = [(i, per_rank[0][i].numel() * per_rank[0][i].element_size()) for i in idxs]
+            for chunk in fusion_chunks(nbytes, self.fusion_threshold_bytes):
                 flat = [torch.cat([ts[i].reshape(-1) for i in chunk]) for ts in per_rank]
                 summed = self.reduce_flat(flat)
                 pos = 0
@@ -238,19 +237,6 @@ class ThreadWorld:
                     out[i] = summed[pos:pos + k].reshape(per_rank[0][i].shape)
                     pos += k
         return out  # type: ignore[return-value]
-
-    def _fusion_chunks(self, idxs: list[int], tensors: list[torch.Tensor]) -> list[list[int]]:
-        chunks: list[list[int]] = []
-        size = 0
-        for i in idxs:
-            b = tensors[i].numel() * tensors[i].element_size()
-            if chunks and size + b <= self.fusion_threshold_bytes:
-                chunks[-1].append(i)
-                size += b
-            else:
-                chunks.append([i])
-                size = b
-        return chunks
 
 
 def _clone_each(shared: Any, size: int) -> list[Any]:
