@@ -11,15 +11,17 @@ the top MLP), 26 fields x 16 dims pooled by sum, the table trained by row-wise A
 TorchRec's rate and the dense part by Adam:
 
 - hvctr: model.arch = dlrm / dlrm-dcnv2, train.sparse_optimizer = rowwise_adagrad, k = 8 at 2
-  ranks of one thread, batch 4096 a rank; and DLRM with full Adam rows, for the AUC of row-wise
-  states against per-column ones on this data;
+  ranks of one thread, batch 4096 a rank (as bench.train's peers run it), and at TorchRec's
+  batch, data.global_batch_size = 4096 (2 x 2048: the same samples a step and steps an epoch as
+  TorchRec at 4096, which is what its AUC is compared at); and DLRM with full Adam rows, for the
+  AUC of row-wise states against per-column ones on this data;
 - TorchRec (bench.baseline --runs torchrec --arch ...): its DLRM / DLRM_DCN modules over one
   FusedEmbeddingBagCollection (fbgemm's fused EXACT_ROWWISE_ADAGRAD, sum pooling), one process of
-  2 threads, the KeyedJaggedTensors built in its training loop (kjt_build_s); at batch 4096 (as
-  bench.train's peers run it) and at 8192, hvctr's global batch (2 ranks x 4096: the same samples
-  a step, so the same steps an epoch, which is what its AUC is compared at).
+  2 threads, the KeyedJaggedTensors built in its training loop (kjt_build_s); at batch 4096 and
+  at 8192, the global batch of hvctr's 2 x 4096.
 
-Speeds are medians over rounds; AUC is the last round's.
+Speeds are medians over rounds; AUC is the last round's. --systems runs a subset (the table pairs
+what ran).
 """
 
 from __future__ import annotations
@@ -50,14 +52,21 @@ SYSTEMS: dict[str, tuple[str, list[str]]] = {  # name: ("hvctr" | "torchrec", fl
     "torchrec_dlrm-dcnv2": ("torchrec", ["--arch", "dlrm-dcnv2", "--cross-rank", str(CROSS_RANK)]),
     "torchrec_dlrm-dcnv2_b8192": ("torchrec", ["--arch", "dlrm-dcnv2", "--cross-rank", str(CROSS_RANK),
                                                "--batch-size", "8192"]),
+    "hvctr_dlrm_g4096": ("hvctr", COMMON + ["--model.arch=dlrm", "--data.global_batch_size=4096"] + ROWWISE),
+    "hvctr_dlrm-dcnv2_g4096": ("hvctr", COMMON + ["--model.arch=dlrm-dcnv2", "--data.global_batch_size=4096"]
+                               + ROWWISE),
     "hvctr_dlrm_adam": ("hvctr", COMMON + ["--model.arch=dlrm"]),
 }
-# hvctr's run: (TorchRec at batch 4096, as bench.train's peers; TorchRec at hvctr's global batch, 2 x 4096)
+# hvctr's run: (TorchRec at batch 4096, TorchRec at batch 8192): the global batch of hvctr's run is
+# 8192 (2 x 4096) or, for the _g4096 runs, 4096
 PAIRS = {"hvctr_dlrm": ("torchrec_dlrm", "torchrec_dlrm_b8192"),
-         "hvctr_dlrm-dcnv2": ("torchrec_dlrm-dcnv2", "torchrec_dlrm-dcnv2_b8192")}
+         "hvctr_dlrm-dcnv2": ("torchrec_dlrm-dcnv2", "torchrec_dlrm-dcnv2_b8192"),
+         "hvctr_dlrm_g4096": ("torchrec_dlrm", "torchrec_dlrm_b8192"),
+         "hvctr_dlrm-dcnv2_g4096": ("torchrec_dlrm-dcnv2", "torchrec_dlrm-dcnv2_b8192")}
 
 
-def measure(data_sets: list[tuple[int, Path]], rows: int, rounds: int, sizes: str) -> dict[str, Any]:
+def measure(data_sets: list[tuple[int, Path]], rows: int, rounds: int, sizes: str,
+            systems: list[str]) -> dict[str, Any]:
     made = [(seed, work, *make_data(work, rows, seed, multi_hot=sizes)) for seed, work in data_sets]
     per_set: list[dict[str, Any]] = []
     for seed, _, data, bayes in made:
@@ -71,7 +80,8 @@ def measure(data_sets: list[tuple[int, Path]], rows: int, rounds: int, sizes: st
             print(f"round {i + 1}/{rounds}, data set seed {seed}", flush=True)
             tag = f"mh{i + 1}"
             runs = []
-            for name, (kind, flags) in SYSTEMS.items():
+            for name in systems:
+                kind, flags = SYSTEMS[name]
                 if kind == "torchrec":
                     r = _with_load(lambda: reference_run(work, data, "torchrec", f"{name}.{tag}", flags))
                 else:
@@ -96,9 +106,9 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
              f"pairwise dots, top MLP 512-256-1; DLRM-DCNv2: 3 cross layers of rank {CROSS_RANK} over the bottom "
              f"MLP's output and the embeddings, then the top MLP. Table: row-wise Adagrad at {TORCHREC_LR} (fbgemm's "
              f"fused EXACT_ROWWISE_ADAGRAD in TorchRec; hvctr's rowwise_adagrad), dense part Adam at 0.001. hvctr: "
-             f"k = 8 at 2 ranks of one thread, batch 4096 a rank, one epoch (its rates at one rank, merge.lr_scaling "
-             f"= sqrt); TorchRec: its DLRM / DLRM_DCN modules, one process of 2 threads, batch 4096 and 8192 "
-             f"(hvctr's global batch: the same steps an epoch), one epoch. "
+             f"k = 8 at 2 ranks of one thread, batch 4096 a rank (_g4096: data.global_batch_size = 4096, 2 x 2048, "
+             f"TorchRec's batch), one epoch (its rates at one rank, merge.lr_scaling = sqrt); TorchRec: its DLRM / DLRM_DCN modules, one process of 2 threads, batch 4096 and 8192 "
+             f"(the global batch of hvctr's 2 x 4096: the same steps an epoch), one epoch. "
              f"Speeds: medians of {len(res['sets'][0]['rounds'])} interleaved rounds; AUC of the last.", "",
              "| data set | system | samples/s (median) | per round | vs TorchRec, same model (batch 4096 / 8192) | AUC "
              "| AUC vs TorchRec (batch 4096 / 8192) | AUC vs hvctr DLRM Adam |", "|---|---|---|---|---|---|---|---|"]
@@ -136,12 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=600_000)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--multi-hot", default=MLPERF_SIZES, help="data_prep synth --multi-hot sizes (default MLPerf's)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated runs, in this order (default all: {', '.join(SYSTEMS)})")
     p.add_argument("--benchmarks", default="", help="markdown file to write the section into (default: none)")
     args = p.parse_args(argv)
     sets = data_set_specs(p, args.data_set)
+    systems = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = [n for n in systems if n not in SYSTEMS]
+    if unknown or not systems:
+        p.error(f"--systems: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(SYSTEMS)}")
     command = "python -m bench.multi_hot " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.time()
-    res = measure(sets, args.rows, args.rounds, args.multi_hot)
+    res = measure(sets, args.rows, args.rounds, args.multi_hot, systems)
     publish(render(res, command, machine_line()), t0, args.benchmarks, HEADING)
     return 0
 

@@ -23,8 +23,15 @@ collectives as hvctr.distributed.comm.Comm, with what Horovod gave hvctr done he
 - Named-collective checks: before each collective the ranks of its group compare the crc32 of
   its name (one small allreduce of [crc, -crc] with Min): ranks that disagree on the sequence
   fail naming the collective, instead of exchanging each other's data.
-- Any dtype moves: alltoall, allgather and broadcast travel as bytes (bfloat16 rows included);
-  tensors on a GPU are staged through host memory (gloo).
+- Any dtype moves: alltoall, allgather and broadcast travel as bytes (bfloat16 rows included).
+- GPUs: where every rank has CUDA, NCCL and a GPU of its own (no more ranks on a host than it
+  has GPUs: NCCL refuses two ranks on one GPU), the stream groups are ``cpu:gloo,cuda:nccl``: a
+  collective of tensors on one GPU runs over NCCL on that GPU (the dense merge of a model on the
+  GPU), host tensors over gloo (the sparse rows, which live in the host cache, and the small
+  checks), so only the main thread ever runs NCCL. The sums are hvctr's ring order either way
+  (the blocks are added here, elementwise, in the same order: IEEE float addition gives the same
+  bits on the GPU and the CPU). Otherwise, or with HVCTR_NCCL=0, GPU tensors are staged through
+  host memory (gloo only).
 """
 
 from __future__ import annotations
@@ -50,16 +57,27 @@ T = TypeVar("T")
 STREAMS = ("main", "prefetch", "behind")  # a process group each: the collectives of one thread, or of a push left behind
 
 
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu").contiguous()
+CPU = torch.device("cpu")
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """[rows, ...] of any dtype as uint8 [rows, row bytes] (a view where contiguous)."""
-    t = _host(tensor)
+def nccl_usable(ranks_on_host: int, environ=os.environ) -> bool:
+    """Whether this rank can move its CUDA tensors over NCCL: CUDA and NCCL are there, the host
+    has a GPU for each of its ranks, and HVCTR_NCCL is not 0."""
+    return (environ.get("HVCTR_NCCL", "1") != "0" and dist.is_nccl_available() and torch.cuda.is_available()
+            and torch.cuda.device_count() >= ranks_on_host)
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.detach().to(device).contiguous()
+
+
+def _as_bytes(tensor: torch.Tensor, device: torch.device = CPU) -> torch.Tensor:
+    """[rows, ...] of any dtype as uint8 [rows, row bytes] on ``device`` (a view where contiguous)."""
+    t = _on(tensor, device)
     rows = t.shape[0] if t.dim() else 1
     width = int(np.prod(t.shape[1:], dtype=np.int64)) * t.element_size() if t.dim() else t.element_size()
-    return t.reshape(rows, -1).view(torch.uint8) if t.numel() else torch.zeros(rows, width, dtype=torch.uint8)
+    return (t.reshape(rows, -1).view(torch.uint8) if t.numel()
+            else torch.zeros(rows, width, dtype=torch.uint8, device=device))
 
 
 def _from_bytes(b: torch.Tensor, like: torch.Tensor, rows: int) -> torch.Tensor:
@@ -78,10 +96,11 @@ class TorchComm:
     node: int  # index of this rank's node, 0 .. num_nodes-1
     node_ranks: list[list[int]]  # ranks of each node, ascending
     watchdog: CollectiveWatchdog | None
+    nccl: bool  # CUDA tensors move over NCCL on their GPU (else staged through host memory)
 
     def __init__(self, rank: int, size: int, node_ranks: list[list[int]], groups: dict[str, Any],
                  node_group: Any, leader_group: Any, watchdog: CollectiveWatchdog | None,
-                 fusion_bytes: int) -> None:
+                 fusion_bytes: int, nccl: bool = False) -> None:
         self.rank, self.size = rank, size
         self.node_ranks = node_ranks
         self.node = next(i for i, g in enumerate(node_ranks) if rank in g)
@@ -92,10 +111,18 @@ class TorchComm:
         self._groups = groups
         self._node_set, self._leader_set = node_group, leader_group
         self._fusion_bytes = fusion_bytes
+        self.nccl = nccl
         self._local = threading.local()
 
+    def _device_for(self, tensors: Sequence[torch.Tensor]) -> torch.device:
+        """Where a collective of ``tensors`` runs: their GPU when NCCL is on and one GPU holds
+        them (host tensors among them are moved to it), else the host (Horovod Comm's rule)."""
+        gpus = {t.device for t in tensors if t.device.type == "cuda"}
+        return next(iter(gpus)) if self.nccl and len(gpus) == 1 else CPU
+
     def __repr__(self) -> str:
-        return f"TorchComm(rank={self.rank}, size={self.size}, nodes={self.num_nodes})"
+        gpu = "over NCCL" if self.nccl else "staged through host memory"
+        return f"TorchComm(rank={self.rank}, size={self.size}, nodes={self.num_nodes}, GPU tensors {gpu})"
 
     # --- which process group -------------------------------------------------------------
 
@@ -148,22 +175,23 @@ class TorchComm:
             return acc
         sizes = ring_blocks(count, n)
         early = sizes[0]
-        recv = torch.empty(n * sizes[me], dtype=flat.dtype)
+        recv = torch.empty(n * sizes[me], dtype=flat.dtype, device=flat.device)
         # comm: alltoall of the fusion buffer's blocks: block j to the group's rank j
         dist.all_to_all_single(recv, flat, output_split_sizes=[sizes[me]] * n, input_split_sizes=sizes, group=group)
         blocks = recv.view(n, sizes[me])
         acc = blocks[me].clone()
         for m in range(1, n):
             acc += blocks[(me + m) % n]
-        padded = torch.zeros(early, dtype=flat.dtype)
+        padded = torch.zeros(early, dtype=flat.dtype, device=flat.device)
         padded[:sizes[me]] = acc
-        gathered = [torch.empty(early, dtype=flat.dtype) for _ in range(n)]
+        gathered = [torch.empty(early, dtype=flat.dtype, device=flat.device) for _ in range(n)]
         # comm: allgather of the summed blocks
         dist.all_gather(gathered, padded, group=group)
         return torch.cat([g[:s] for g, s in zip(gathered, sizes)])
 
     def _sum_lists(self, tensors: Sequence[torch.Tensor], name: str, group: Any, n: int, me: int) -> list[torch.Tensor]:
-        host = [_host(t) for t in tensors]
+        device = self._device_for(tensors)
+        host = [_on(t, device) for t in tensors]
         out: list[torch.Tensor | None] = [None] * len(host)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(host):
@@ -235,13 +263,13 @@ class TorchComm:
         if int(splits.sum()) != tensor.shape[0]:
             raise ValueError(f"alltoall {name}: splits sum to {int(splits.sum())}, tensor has {tensor.shape[0]} rows")
         group = self._group()
-        data = _as_bytes(tensor)
+        data = _as_bytes(tensor, self._device_for([tensor]))
         received = torch.empty(self.size, dtype=torch.int64)
         with self._waiting(name):
             self._check_name(name, group)
             # comm: alltoall of the row counts, then of the rows (as bytes)
             dist.all_to_all_single(received, splits.clone(), group=group)
-            out = torch.empty(int(received.sum()), data.shape[1], dtype=torch.uint8)
+            out = torch.empty(int(received.sum()), data.shape[1], dtype=torch.uint8, device=data.device)
             dist.all_to_all_single(out, data, output_split_sizes=received.tolist(), input_split_sizes=splits.tolist(),
                                    group=group)
         return _from_bytes(out, tensor, int(received.sum())).to(tensor.device), received
@@ -255,7 +283,7 @@ class TorchComm:
             # comm: allgather of the row counts, then of the rows padded to the longest (as bytes)
             dist.all_gather(counts, torch.tensor([data.shape[0]], dtype=torch.int64), group=group)
             n = [int(c) for c in counts]
-            padded = torch.zeros(max(n), data.shape[1], dtype=torch.uint8)
+            padded = torch.zeros(max(n), data.shape[1], dtype=torch.uint8, device=data.device)
             padded[:data.shape[0]] = data
             parts = [torch.empty_like(padded) for _ in range(self.size)]
             dist.all_gather(parts, padded, group=group)
@@ -263,12 +291,12 @@ class TorchComm:
 
     def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Concatenation along dim 0 of every rank's tensor, in rank order (lengths may differ)."""
-        out, n = self._allgather_rows(_as_bytes(tensor), name)  # comm: allgather (counts, then rows)
+        out, n = self._allgather_rows(_as_bytes(tensor, self._device_for([tensor])), name)  # comm: allgather (counts, then rows)
         return _from_bytes(out, tensor, sum(n)).to(tensor.device)
 
     def broadcast(self, tensor: torch.Tensor, root: int, name: str) -> torch.Tensor:
         group = self._group()
-        data = _as_bytes(tensor).clone()
+        data = _as_bytes(tensor, self._device_for([tensor])).clone()
         with self._waiting(name):
             self._check_name(name, group)
             # comm: broadcast of one tensor from root (as bytes)
@@ -357,16 +385,14 @@ def rendezvous(environ=os.environ) -> tuple[int, int, str]:
     return rank, size, f"tcp://{host}:{port}"
 
 
-def _node_grouping(rank: int, size: int, ranks_per_virtual_node: int, group: Any) -> list[list[int]]:
+def _node_grouping(size: int, ranks_per_virtual_node: int, hosts: list[str]) -> list[list[int]]:
     if ranks_per_virtual_node > 0:
         if size % ranks_per_virtual_node:
             raise ValueError(f"config key 'topology.ranks_per_virtual_node': {ranks_per_virtual_node} does not "
                              f"divide the world size {size}")
         keys: list[Any] = [r // ranks_per_virtual_node for r in range(size)]
     else:
-        keys = [None] * size
-        # comm: allgather of host names (once, at start)
-        dist.all_gather_object(keys, socket.gethostname(), group=group)
+        keys = list(hosts)
     groups: dict[Any, list[int]] = {}
     for r, k in enumerate(keys):
         groups.setdefault(k, []).append(r)
@@ -375,24 +401,32 @@ def _node_grouping(rank: int, size: int, ranks_per_virtual_node: int, group: Any
 
 def init_torch_comm(ranks_per_virtual_node: int = 0, stall_timeout_s: float = 0.0, program: str = "hvctr"
                     ) -> TorchComm:
-    """Starts torch.distributed (gloo) with a process group for each stream and, on several
-    nodes of several ranks, one for each node and one for the node leaders."""
+    """Starts torch.distributed (gloo, and NCCL for CUDA tensors where every rank can: see the
+    module docstring) with a process group for each stream and, on several nodes of several
+    ranks, one for each node and one for the node leaders."""
     if dist.is_initialized():
         raise RuntimeError("init_torch_comm called twice in one process")
     rank, size, method = rendezvous()
     # torch's own timeout stays above hvctr's watchdog, which names the collective first
     timeout = datetime.timedelta(seconds=max(1800.0, 2 * stall_timeout_s))
     dist.init_process_group("gloo", init_method=method, rank=rank, world_size=size, timeout=timeout)
+    hosts: list[Any] = [None] * size
+    # comm: allgather of host names (once, at start): the nodes, and how many ranks share a host's GPUs
+    dist.all_gather_object(hosts, socket.gethostname())
+    usable = torch.tensor([int(nccl_usable(hosts.count(hosts[rank])))], dtype=torch.int64)
+    # comm: allreduce (Min) of whether each rank can use NCCL: every rank's groups take the same backends
+    dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+    backend = "cpu:gloo,cuda:nccl" if int(usable[0]) else "gloo"
     everyone = list(range(size))
-    groups = {s: dist.new_group(everyone, backend="gloo", timeout=timeout) for s in STREAMS}
-    nodes = _node_grouping(rank, size, ranks_per_virtual_node, groups["main"])
+    groups = {s: dist.new_group(everyone, backend=backend, timeout=timeout) for s in STREAMS}
+    nodes = _node_grouping(size, ranks_per_virtual_node, hosts)
     node_group = leader_group = None
     if 1 < len(nodes) < size:  # every rank creates every group, in the same order
-        node_groups = [dist.new_group(g, backend="gloo", timeout=timeout) for g in nodes]
-        leaders = dist.new_group([g[0] for g in nodes], backend="gloo", timeout=timeout)
+        node_groups = [dist.new_group(g, backend=backend, timeout=timeout) for g in nodes]
+        leaders = dist.new_group([g[0] for g in nodes], backend=backend, timeout=timeout)
         node = next(i for i, g in enumerate(nodes) if rank in g)
         node_group = node_groups[node]
         leader_group = leaders if rank == nodes[node][0] else None
     return TorchComm(rank, size, nodes, groups, node_group, leader_group,
                      CollectiveWatchdog(rank, stall_timeout_s, program) if stall_timeout_s > 0 else None,
-                     fusion_threshold_bytes())
+                     fusion_threshold_bytes(), nccl="nccl" in backend)

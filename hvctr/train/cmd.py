@@ -111,6 +111,7 @@ def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device
         threads_why = "the hardware map's plan" + (" (topology.threads_per_rank)" if cfg.topology.threads_per_rank else "")
     if comm.rank == 0:
         log.info(f"torch threads: {torch.get_num_threads()} on rank 0, from {threads_why}")
+        log.info(f"collectives: {comm!r}")
     torch.use_deterministic_algorithms(True)
     # comm: allgather of every rank's effective binding, for one table on rank 0
     reports = comm.allgather_object(binding_report(placement), name="binding")

@@ -7,7 +7,10 @@
 - the trainer on cuda: `hvctr simulate` (the real Trainer, 2 ranks over threads) with
   --train.device=cuda;
 - two ranks of `hvctr train` under mpirun on the one GPU, with a small table: a run killed after
-  a checkpoint and resumed ends bit-equal to an uninterrupted one.
+  a checkpoint and resumed ends bit-equal to an uninterrupted one;
+- the torch.distributed engine: one rank moves CUDA tensors over NCCL on the GPU (they stay
+  there, the results on the tensors' own devices); two ranks on the one GPU, which NCCL refuses,
+  stage them through host memory and train Horovod's model.
 """
 
 from __future__ import annotations
@@ -146,6 +149,60 @@ def test_two_ranks_on_one_gpu_resume_bit_equal(dataset, tmp_path):
     kill_after_checkpoint(flags, 2, tmp_path / "cut", dataset, seq=2)
     train(2, tmp_path / "cut", dataset, *flags, resume=True, timeout=240)
     assert_same_model(tmp_path / "whole", tmp_path / "cut")
+
+
+_ONE_RANK_NCCL = """
+import socket, torch
+from hvctr.distributed.torch_comm import init_torch_comm
+comm = init_torch_comm()
+assert comm.nccl, repr(comm)
+cuda = torch.device("cuda:0")
+dense = [torch.arange(40000, dtype=torch.float32, device=cuda) / 7, torch.ones(3, device=cuda)]
+summed = comm.allreduce_sum(dense, "dense")
+assert all(s.device == cuda and torch.equal(s, d) for s, d in zip(summed, dense))
+mixed = comm.allreduce_sum([dense[0], torch.ones(5)], "mixed")  # the host tensor comes back to the host
+assert mixed[0].device == cuda and mixed[1].device.type == "cpu" and torch.equal(mixed[1], torch.ones(5))
+rows = torch.randn(9, 4, device=cuda).to(torch.bfloat16)
+got, received = comm.alltoall(rows, [9], "rows")
+assert got.device == cuda and torch.equal(got, rows) and received.tolist() == [9]
+assert torch.equal(comm.allgather(rows, "gather"), rows) and torch.equal(comm.broadcast(rows, 0, "bcast"), rows)
+comm.barrier()
+comm.shutdown()
+print("ok", repr(comm))
+"""
+
+
+def test_torch_engine_moves_cuda_tensors_over_nccl(tmp_path):
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    r = subprocess.run([VENV_PY, "-c", _ONE_RANK_NCCL], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "GPU tensors over NCCL" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+
+
+def test_torch_engine_two_ranks_on_one_gpu_stage_and_train_horovods_model(dataset, tmp_path):
+    """NCCL refuses two ranks on one GPU: the torch engine sees it at start and stages GPU tensors
+    through host memory, in hvctr's ring order: the model Horovod trains (bit for bit where
+    Horovod too sums on the host; with Horovod's NCCL, whose GPU sums follow NCCL's order, the
+    same AUC to 4 digits)."""
+    import horovod.torch as hvd
+
+    from tests.e2e.helpers import train
+    from tests.e2e.test_simulate import compare, evaluation
+
+    flags = ["--train.device=cuda", "--merge.every_k_steps=2", "--train.max_steps=24"]
+    runs = {b: tmp_path / b for b in ("horovod", "torch")}
+    out = {b: train(2, run, dataset, *flags, f"--distributed.backend={b}", timeout=240) for b, run in runs.items()}
+    assert "GPU tensors staged through host memory" in out["torch"].stdout + out["torch"].stderr
+    if hvd.nccl_built():
+        a, b = evaluation(runs["horovod"]), evaluation(runs["torch"])
+        assert round(a["auc"], 4) == round(b["auc"], 4), (a, b)
+    else:
+        compare(runs["horovod"], runs["torch"])
 
 
 def test_calibrate_measures_this_gpu_for_the_planner():
