@@ -21,7 +21,10 @@ VENV=${VENV:-.venv}
 export HVCTR_CACHE=${HVCTR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvctr}  # install/horovod-wheel.sh caches there
 CONSTRAINTS=install/constraints.txt
 HOROVOD_VERSION=$(sed -n 's/^horovod==//p' "$CONSTRAINTS")
-TORCH_VERSION=$(sed -n 's/^torch==//p' "$CONSTRAINTS")
+PINNED_TORCH=$(sed -n 's/^torch==//p' "$CONSTRAINTS")
+# HVCTR_TORCH=<version>: another torch than the pinned one (a GPU site's CUDA, the newest
+# release): everything else stays pinned; Horovod is built against it (docs/install.md).
+TORCH_VERSION=${HVCTR_TORCH:-$PINNED_TORCH}
 APT_PACKAGES="openmpi-bin libopenmpi-dev libpmix-dev hwloc numactl hdf5-tools slurm-wlm munge shellcheck fio"
 
 log() { printf '[setup] %s\n' "$*"; }
@@ -29,6 +32,13 @@ die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 # Any other failing step (pip, apt, a build) says where it stopped; its own output is above.
 on_error() { printf '[setup] error: .ci/setup.sh stopped at line %s (exit %s): %s; its output is above\n' "$2" "$1" "$3" >&2; }
 trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
+
+if [ "$TORCH_VERSION" != "$PINNED_TORCH" ]; then
+  CONSTRAINTS=$(mktemp)
+  trap 'rm -f "$CONSTRAINTS"' EXIT
+  grep -v '^torch==' install/constraints.txt > "$CONSTRAINTS"
+  log "torch $TORCH_VERSION (HVCTR_TORCH), not the pinned $PINNED_TORCH"
+fi
 
 # --- which setting -------------------------------------------------------------------------
 MODE=${HVCTR_SETUP:-}
@@ -119,6 +129,7 @@ if ! have torch "$TORCH_VERSION"; then
     log "installing torch==$TORCH_VERSION (CPU wheel)"
   fi
   "$VENV/bin/pip" install -q -c "$CONSTRAINTS" "torch==$TORCH_VERSION"
+  TORCH_CHANGED=1  # a Horovod built against another torch would not load: installed again below
 fi
 # The site setting compiles mpi4py with the site's mpicc (never PyPI's binary wheel, which brings
 # its own idea of the MPI library), once per MPI: install/mpi4py-wheel.sh caches it.
@@ -163,7 +174,7 @@ if [ -z "${HOROVOD_GPU_OPERATIONS:-}" ] && command -v nvidia-smi >/dev/null 2>&1
 fi
 
 # --- Horovod from source, cached (install/horovod-wheel.sh: the one place that knows the fix) ---
-if ! have horovod "$HOROVOD_VERSION" || [ "${HVCTR_HOROVOD_REBUILD:-0}" = 1 ]; then
+if ! have horovod "$HOROVOD_VERSION" || [ "${HVCTR_HOROVOD_REBUILD:-0}" = 1 ] || [ "${TORCH_CHANGED:-0}" = 1 ]; then
   WHEEL_DIR=$(install/horovod-wheel.sh "$VPY")
   log "installing Horovod from $WHEEL_DIR"
   "$VENV/bin/pip" install -q --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl

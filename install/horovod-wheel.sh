@@ -5,8 +5,9 @@
 #   pip install -c install/constraints.txt --find-links "$(install/horovod-wheel.sh)" .
 #
 # Why: Horovod 0.28.1, its last release, does not build against torch >= 2.1 as released (its
-# CMakeLists ask for C++14, torch's headers need C++17; fixed upstream after the release), and
-# PyPI has no Horovod wheels. This script downloads the sdist from PyPI, sets C++17 in both
+# CMakeLists ask for C++14, torch's headers need C++17, and C++20 from torch 2.15; C++17 was
+# fixed upstream after the release), and PyPI has no Horovod wheels. This script downloads the
+# sdist from PyPI, sets the C++ standard the installed torch's headers ask for in both
 # CMakeLists.txt, and builds it with PyTorch, MPI and Gloo against the torch installed for
 # PYTHON (pip --no-build-isolation: Horovod links against that torch).
 #
@@ -58,16 +59,30 @@ if [ "${HVCTR_HOROVOD_REBUILD:-0}" = 1 ] || ! ls "$WHEEL_DIR"/horovod-$HOROVOD_V
   for m in setuptools wheel packaging; do "$PY" -c "import $m" 2>/dev/null || missing="$missing $m"; done
   # shellcheck disable=SC2086
   [ -z "$missing" ] || { log "installing the build's own needs:$missing"; pip_ install -q -c "$CONSTRAINTS" $missing; }
+  # A CUDA build of torch (PyPI's only build of torch >= 2.14) makes Horovod's torch plugin a
+  # CUDA one, whatever HOROVOD_GPU_OPERATIONS says: it needs the CUDA toolkit's headers and
+  # cudart where torch looks (CUDA_HOME), and CMake's FindCUDAToolkit (CUDAToolkit_ROOT).
+  torch_cuda=$("$PY" -c 'import torch; print(torch.version.cuda or "")' 2>/dev/null)
+  if [ -n "$torch_cuda" ]; then
+    cuda_home=$("$PY" -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "")' 2>/dev/null)
+    [ -f "$cuda_home/include/cuda_runtime.h" ] || die "torch $torch_tag is a CUDA build (CUDA $torch_cuda), so Horovod's torch plugin needs the CUDA toolkit's headers and cudart, and ${cuda_home:-CUDA_HOME (unset)} has no include/cuda_runtime.h: load a toolkit (module load cuda) or set CUDA_HOME and CUDAToolkit_ROOT to one (docs/install.md, 'Another torch'), or install torch's CPU build"
+    log "torch is a CUDA build (CUDA $torch_cuda): Horovod's torch plugin builds against the toolkit at $cuda_home"
+  fi
   log "building Horovod $HOROVOD_VERSION against torch $torch_tag (about 5 minutes on 2 cores)"
   build=$(mktemp -d)
   trap 'rm -rf "$build" "$WHEEL_DIR.tmp.$$"' EXIT
   pip_ download -q --no-deps --no-binary :all: -d "$build" "horovod==$HOROVOD_VERSION"
   tar -xzf "$build/horovod-$HOROVOD_VERSION.tar.gz" -C "$build"
   src="$build/horovod-$HOROVOD_VERSION"
-  # The fix: Horovod 0.28.1 asks for C++14; torch >= 2.1 headers need C++17.
-  sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+  # The fix: Horovod 0.28.1 asks for C++14; torch's headers need C++17 (torch >= 2.1) or C++20
+  # (torch 2.15: ATen.h says which, "#error C++NN or later compatible compiler is required").
+  aten=$("$PY" -c 'import torch.utils.cpp_extension as e, os; print(os.path.join(e.include_paths()[0], "ATen", "ATen.h"))' 2>/dev/null)
+  cxx_std=$(grep -o 'C++[0-9]* or later' "$aten" 2>/dev/null | head -1 | tr -dc '0-9')
+  case "$cxx_std" in 17|20|23) ;; *) cxx_std=17 ;; esac
+  log "C++$cxx_std, as torch $torch_tag's headers need"
+  sed -i "s/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD $cxx_std/" "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
   for f in "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"; do
-    grep -q 'CMAKE_CXX_STANDARD 17' "$f" || die "the C++17 patch did not apply to $f"
+    grep -q "CMAKE_CXX_STANDARD $cxx_std" "$f" || die "the C++$cxx_std patch did not apply to $f"
   done
   mkdir -p "$WHEEL_DIR.tmp.$$"
   # CMAKE_POLICY_VERSION_MINIMUM: CMake >= 4 refuses the cmake_minimum_required(< 3.5) of the
