@@ -330,8 +330,9 @@ class TorchComm:
         group = self._group()
         with self._waiting("barrier"):
             self._check_name("barrier", group)
-            # comm: barrier
-            dist.barrier(group=group)
+            # comm: barrier: an allreduce of a host tensor, so gloo carries it whatever NCCL the
+            # group has (NCCL's barrier guesses a GPU from the rank, not this rank's own)
+            dist.all_reduce(torch.zeros(1), group=group)
 
     def shutdown(self) -> None:
         if self.watchdog is not None:
