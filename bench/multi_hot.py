@@ -107,7 +107,8 @@ def render(res: dict[str, Any], command: str, machine: str) -> str:
              f"MLP's output and the embeddings, then the top MLP. Table: row-wise Adagrad at {TORCHREC_LR} (fbgemm's "
              f"fused EXACT_ROWWISE_ADAGRAD in TorchRec; hvctr's rowwise_adagrad), dense part Adam at 0.001. hvctr: "
              f"k = 8 at 2 ranks of one thread, batch 4096 a rank (_g4096: data.global_batch_size = 4096, 2 x 2048, "
-             f"TorchRec's batch), one epoch (its rates at one rank, merge.lr_scaling = sqrt); TorchRec: its DLRM / DLRM_DCN modules, one process of 2 threads, batch 4096 and 8192 "
+             f"TorchRec's batch), one epoch (its rates at one rank, merge.lr_scaling = sqrt); TorchRec: its DLRM / "
+             f"DLRM_DCN modules, one process of 2 threads, batch 4096 and 8192 "
              f"(the global batch of hvctr's 2 x 4096: the same steps an epoch), one epoch. "
              f"Speeds: medians of {len(res['sets'][0]['rounds'])} interleaved rounds; AUC of the last.", "",
              "| data set | system | samples/s (median) | per round | vs TorchRec, same model (batch 4096 / 8192) | AUC "

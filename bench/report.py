@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 
 
@@ -56,10 +57,7 @@ def data_set_specs(parser, specs: list[str]) -> list[tuple[int, Path]]:
 def publish(text: str, t0: float, benchmarks: str, heading: str) -> None:
     """A benchmark's section with its wall time, printed and, where ``benchmarks`` names a
     markdown file, written into it under ``heading``."""
-    import time
-
     text += f"\nWall time of the benchmark: {(time.time() - t0) / 60:.1f} min.\n"
     print(text)
     if benchmarks:
         write_section(benchmarks, heading, text)
-

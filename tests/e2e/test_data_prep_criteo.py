@@ -133,7 +133,6 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path, big_input, phase, np_
     assert not list((tmp_path / "out").glob("*.tmp")) and not (tmp_path / "out" / "_work").exists()
 
 
-@pytest.mark.skipif(not SAMPLE.exists(), reason=f"{SAMPLE} not present")
 def test_real_rows_parse_with_no_rejects(tmp_path):
     criteo(2, "--input", SAMPLE, "--out", tmp_path / "out", "--shards", 2, "--chunk-mb", 1 / 16)
     m = manifest(tmp_path / "out")
@@ -141,7 +140,6 @@ def test_real_rows_parse_with_no_rejects(tmp_path):
     assert m["totals"]["bad_lines"] == 0 and m["bad_lines"] == [] and m["totals"]["rows"] == 400
 
 
-@pytest.mark.skipif(not SAMPLE.exists(), reason=f"{SAMPLE} not present")
 def test_planted_bad_lines_are_reported_exactly(tmp_path):
     lines = SAMPLE.read_text().splitlines()
     good = lines[0].split("\t")

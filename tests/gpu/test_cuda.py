@@ -152,7 +152,7 @@ def test_two_ranks_on_one_gpu_resume_bit_equal(dataset, tmp_path):
 
 
 _ONE_RANK_NCCL = """
-import socket, torch
+import torch
 from hvctr.distributed.torch_comm import init_torch_comm
 comm = init_torch_comm()
 assert comm.nccl, repr(comm)

@@ -96,7 +96,6 @@ def test_key_rule_is_designs():
     assert keys[0] != EMPTY_KEY and EMPTY_KEY_REMAP != EMPTY_KEY
 
 
-@pytest.mark.skipif(not SAMPLE.exists(), reason=f"{SAMPLE} not present")
 def test_real_criteo_rows_match_reference():
     data = SAMPLE.read_bytes()
     blk = parse_block(data, RowFormat.tsv())
