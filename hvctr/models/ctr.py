@@ -14,35 +14,37 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from hvctr.models.linear import Layers, linear, run_layers
+
 
 def linear_over_blocks(layer: nn.Linear, blocks: Sequence[Tensor]) -> Tensor:
     """``layer(torch.cat(blocks, dim=1))`` without the concatenation: the same function.
 
-    Each block meets its own column slice of the weight (a strided view, no copy) in one
-    accumulating GEMM. On the CPU this is faster than the concatenated form in two ways: the
-    backward computes no input gradient for a block that needs none (the dense features), and
-    no GEMM has the concatenation's odd width as its output (26 x 16 + 13 = 429 columns: MKL's
-    input-gradient GEMM into 429 columns runs at about 2/3 of its speed into 416). Measured on
-    one core for the default DNN and a batch of 4096: backward 83 -> 68 ms per step.
+    Each block meets its own column slice of the weight. On the CPU this is faster than the
+    concatenated form in two ways: the backward computes no input gradient for a block that needs
+    none (the dense features), and no GEMM has the concatenation's odd width as its output (26 x 16
+    + 13 = 429 columns: MKL's input-gradient GEMM into 429 columns runs at about 2/3 of its speed
+    into 416). Measured on one core for the default DNN and a batch of 4096: backward 83 -> 68 ms
+    per step. The widest block, which carries most of the products, goes through
+    hvctr.models.linear.linear (oneDNN on the CPU) with the bias; each other block is added to it
+    by one accumulating ``addmm``.
     """
     widths = [int(x.shape[1]) for x in blocks]
     if sum(widths) != layer.in_features:
         raise ValueError(f"blocks of widths {widths} (sum {sum(widths)}) for a Linear of {layer.in_features} inputs")
-    w, start = layer.weight, 0
-    out: Tensor | None = None
-    for x, n in zip(blocks, widths):
-        part = w[:, start:start + n].t()
-        if out is None:
-            out = x @ part if layer.bias is None else torch.addmm(layer.bias, x, part)
-        else:
-            out = torch.addmm(out, x, part)
-        start += n
-    assert out is not None
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    first = max(range(len(blocks)), key=lambda i: widths[i])
+    w = layer.weight
+    out = linear(blocks[first], w[:, starts[first]:starts[first] + widths[first]], layer.bias)
+    for i, x in enumerate(blocks):
+        if i != first:
+            out = torch.addmm(out, x, w[:, starts[i]:starts[i] + widths[i]].t())
     return out
 
 
-class MLP(nn.Sequential):
-    """Linear + ReLU per hidden layer, then a Linear to one output (the logit).
+class MLP(Layers):
+    """Linear + ReLU per hidden layer, then a Linear to one output (the logit); the products
+    through hvctr.models.linear.
 
     ``forward_blocks(blocks)`` is ``forward(torch.cat(blocks, 1))`` computed without the
     concatenation (see linear_over_blocks).
@@ -57,10 +59,7 @@ class MLP(nn.Sequential):
         super().__init__(*layers)
 
     def forward_blocks(self, blocks: Sequence[Tensor]) -> Tensor:
-        x = linear_over_blocks(self[0], blocks)
-        for layer in list(self)[1:]:
-            x = layer(x)
-        return x
+        return run_layers(list(self)[1:], linear_over_blocks(self[0], blocks))
 
 
 def fm_interaction(emb: Tensor) -> Tensor:
@@ -109,18 +108,19 @@ class CrossNet(nn.Module):
     def forward(self, x0: Tensor) -> Tensor:
         x = x0
         for layer in self.layers:
-            x = torch.addcmul(x, x0, layer(x))  # x + x0 * (W x + b)
+            wx = run_layers(list(layer) if isinstance(layer, nn.Sequential) else [layer], x)
+            x = torch.addcmul(x, x0, wx)  # x + x0 * (W x + b)
         return x
 
 
-def bottom_mlp(in_features: int, widths: Sequence[int]) -> nn.Sequential:
+def bottom_mlp(in_features: int, widths: Sequence[int]) -> Layers:
     """DLRM's bottom MLP: Linear + ReLU per layer, the last one included (its output sits beside
     the embeddings, non-negative as in the reference DLRM and torchrec's DenseArch)."""
     layers: list[nn.Module] = []
     for width in widths:
         layers += [nn.Linear(in_features, width), nn.ReLU()]
         in_features = width
-    return nn.Sequential(*layers)
+    return Layers(*layers)
 
 
 class _CTRModel(nn.Module):
