@@ -43,10 +43,11 @@ DEFAULT_STATES = MergeConfig().states.value  # what runs without a --merge.state
 OTHER_STATES = tuple(s.value for s in MergeStates if s.value != DEFAULT_STATES)
 
 
-def _run(cmd: list[str], log: Path, timeout: int = 3600, cwd: Path | None = None) -> None:
+def _run(cmd: list[str], log: Path, timeout: int = 3600, cwd: Path | None = None,
+         env: dict[str, str] | None = None) -> None:
     with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **MPI_ENV}, timeout=timeout,
-                           cwd=cwd)
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **MPI_ENV, **(env or {})},
+                           timeout=timeout, cwd=cwd)
     if r.returncode != 0:
         raise RuntimeError(f"benchmark command failed ({r.returncode}), see {log}: {' '.join(cmd)}")
 
@@ -112,22 +113,31 @@ def _calibration(ev: dict[str, Any]) -> float:
 
 
 REFERENCES = {"plain": "pytorch_plain", "torchrec": "torchrec", "ceiling": "mlp_ceiling", "floor": "mlp_floor"}
+# The baselines a user would run instead (plain PyTorch, TorchRec) compute their DNN with hvctr's
+# module, so that the model is the same function; they run it on torch's own products (MKL), as
+# their users get them, not on hvctr.models.linear's oneDNN ones. ``onednn=True`` runs them on
+# hvctr's (system name + "_onednn"): what of a ratio is the GEMM library. The floor and the
+# ceiling are hvctr's compute bounds: hvctr's products always.
+USERS_GEMM = {"HVCTR_CPU_GEMM": "mkl"}
 
 
-def reference_run(work: Path, data: Path, which: str, tag: str, flags: list[str] = ()) -> dict[str, Any]:
+def reference_run(work: Path, data: Path, which: str, tag: str, flags: list[str] = (),
+                  onednn: bool = False) -> dict[str, Any]:
     """One bench.baseline run (``flags``: more of its options, e.g. --arch dlrm), its result
     kept under ``work`` (a rerun of the benchmark reads it)."""
-    out = work / f"{which}.{tag}.jsonl"
+    user = which in ("plain", "torchrec")
+    system = REFERENCES[which] + ("_onednn" if user and onednn else "")
+    out = work / f"{which}{'_onednn' if user and onednn else ''}.{tag}.jsonl"
     if not out.exists():
         tmp = out.with_name(out.name + ".tmp")
         _run([PY, "-m", "bench.baseline", "--data", str(data), "--runs", which, "--out", str(tmp), *flags],
-             work / f"{which}.{tag}.log")
+             out.with_suffix(".log"), env=USERS_GEMM if user and not onednn else None)
         tmp.replace(out)
     r = json.loads(out.read_text().splitlines()[-1])
     if "skipped" in r:
-        print(f"{REFERENCES[which]}: skipped: {r['skipped']}", flush=True)
-        return {"system": REFERENCES[which], "skipped": r["skipped"], "samples_per_s": None, "auc": None}
-    return {"system": REFERENCES[which], "samples_per_s": r["samples_per_s"], "auc": r.get("valid_auc"),
+        print(f"{system}: skipped: {r['skipped']}", flush=True)
+        return {"system": system, "skipped": r["skipped"], "samples_per_s": None, "auc": None}
+    return {"system": system, "samples_per_s": r["samples_per_s"], "auc": r.get("valid_auc"),
             "logloss": r.get("valid_logloss"),
             **{k: r[k] for k in ("sparse_optimizer", "sparse_lr", "threads", "versions", "kjt_build_s", "train_s")
                if k in r}}
@@ -183,7 +193,8 @@ def measure_peers(work: Path, rows: int, repeats: int, before: Path | None, seed
                     "--merge.every_k_steps=8", f"--storage.cpu_cache_bytes={int(0.1 * table_bytes / 2)}"]),
                 *([lambda: hvctr_run(work, data, f"hvctr_k8_before.{tag}", ["--merge.every_k_steps=8"], src=before)]
                   if before else []),
-                *[lambda w=w: reference_run(work, data, w, tag) for w in PEER_REFERENCES]]
+                *[lambda w=w: reference_run(work, data, w, tag) for w in PEER_REFERENCES],
+                lambda: reference_run(work, data, "torchrec", tag, onednn=True)]
         rounds.append([k8, *(_with_load(run) for run in runs[1:])])
         (work / "results.json").write_text(json.dumps({"rows": rows, "seed": seed, "bayes_auc": bayes, "rounds": rounds,
                                                        "table_bytes": table_bytes}, indent=1))
@@ -211,7 +222,9 @@ def render_peers(res: dict[str, Any], command: str, machine: str) -> str:
                   "FusedEmbeddingBagCollection, one table for the 26 fields (one key space, as hvctr's), "
                   f"{trec.get('sparse_optimizer', '?')} at lr {trec.get('sparse_lr', '?')} on the table (fbgemm has no "
                   f"CPU Adam), Adam on the DNN, one process of {trec.get('threads', '?')} threads; keys mapped to rows up "
-                  "front (not timed), as the plain baseline.", ""]
+                  "front (not timed), as the plain baseline. Its DNN is hvctr's module on torch's own products "
+                  "(MKL), as a TorchRec user runs it; torchrec_onednn: the same on hvctr's oneDNN products "
+                  "(hvctr.models.linear), which hvctr, the floor and the ceiling use.", ""]
     lines += ["| system | samples/s (median) | per round | vs TorchRec | vs floor | vs ceiling | AUC | AUC vs TorchRec |",
               "|---|---|---|---|---|---|---|---|"]
     for i, n in enumerate(names):

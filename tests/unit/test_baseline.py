@@ -31,6 +31,18 @@ def test_map_keys_gives_train_keys_their_own_rows_and_unseen_keys_one_shared_row
     assert v_idx.tolist() == [[1, 3], [3, 0]]
 
 
+def test_map_keys_gives_np_uniques_rows():
+    rng = np.random.default_rng(3)
+    train = mix64(rng.integers(0, 5000, (3000, 26)).astype(np.uint64))
+    valid = mix64(rng.integers(0, 6000, (500, 26)).astype(np.uint64))
+    rows, t_idx, (v_idx,) = map_keys(train, valid)
+    uniq, inverse = np.unique(train, return_inverse=True)
+    assert rows == uniq.size + 1
+    assert np.array_equal(t_idx, inverse.reshape(train.shape))
+    pos = np.minimum(np.searchsorted(uniq, valid), uniq.size - 1)
+    assert np.array_equal(v_idx, np.where(uniq[pos] == valid, pos, uniq.size))
+
+
 def test_plain_baseline_learns_the_signal():
     train, _ = _synthetic(40_000, 0)
     valid, z = _synthetic(8_000, 1)
