@@ -4,17 +4,18 @@ Every model's Linear layers (the MLPs, DLRM's bottom MLP, DCN's cross layers) go
 ``linear(x, weight, bias, relu)``. For float32 tensors on the CPU it runs
 ``torch.ops.mkldnn._linear_pointwise`` (oneDNN, which torch's CPU wheels carry) in a
 ``torch.autograd.Function`` of its own: the forward with the ReLU fused into the GEMM where a
-ReLU follows, the input gradient as a second oneDNN product with the weight, the weight
-gradient as a third with both operands transposed (strided views: oneDNN copies what it
-needs), the bias gradient a column sum. Anywhere else (CUDA, other dtypes, a torch without oneDNN) it is ``F.linear``
-(and ``relu``).
+ReLU follows, and the input gradient as a second oneDNN product with the weight. The weight
+gradient (gy^T x) stays torch's own product: oneDNN takes it as a linear of two transposed
+operands, which it copies first, and measured alone it was no faster (10.4 against 10.2 ms for
+the DNN's 416 -> 512 layer at batch 2048; within 5% either way for the benchmarks' other
+layers). The bias gradient is a column sum. Anywhere else (CUDA, other dtypes, a torch without
+oneDNN) it is ``F.linear`` (and ``relu``).
 
 Why: torch's CPU ``addmm`` / ``mm`` call MKL, whose sgemm on this project's machine (AMD EPYC
 with AVX-512) ran the DNN's first layer (4096 x 416 x 512) at 76-95 GFLOP/s on one core, where
-oneDNN's ran it at about 105. Measured on one core (``python -m bench.gemm``, BENCHMARKS.md "The dense layers'
-products": forward and backward with the embeddings' gradient, medians of interleaved rounds)
-a step takes 0.85-0.94x the time of torch's own products for the benchmarks' DNN, DLRM and
-DLRM-DCNv2. The sums are float32 ones in another order: results differ from MKL's in the last
+oneDNN ran it at about 105. A step of the dense part, forward and backward with the
+embeddings' gradient, on one core: ``python -m bench.gemm`` (BENCHMARKS.md, "The dense layers'
+products"). The sums are float32 ones in another order: results differ from MKL's in the last
 bits (relative 1e-7 to 1e-6), and are the same run to run, and for one thread or two.
 
 ``HVCTR_CPU_GEMM=mkl`` in the environment puts every layer back on torch's own products (MKL):
@@ -70,7 +71,7 @@ class _OneDNNLinear(torch.autograd.Function):
         if ctx.relu:
             gy = torch.ops.aten.threshold_backward(gy, y, 0)  # ReLU's gradient, from its output
         gx = _mm(gy, w.t().contiguous()) if ctx.needs_input_grad[0] else None
-        gw = _mm(gy.t(), x.t()) if ctx.needs_input_grad[1] else None
+        gw = gy.t().mm(x) if ctx.needs_input_grad[1] else None  # torch's own: see the module's docstring
         gb = gy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None
 
