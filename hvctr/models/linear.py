@@ -50,12 +50,13 @@ _USE_ONEDNN = cpu_gemm() == "onednn"
 
 
 def _mm(a: Tensor, b_t: Tensor) -> Tensor:
-    """a @ b_t.T through oneDNN: a [M, K], b_t [N, K] (either may be a strided view)."""
+    """a @ b_t.T through oneDNN: a [M, K], b_t [N, K]."""
     return torch.ops.mkldnn._linear_pointwise(a, b_t, None, "none", [], "")
 
 
 class _OneDNNLinear(torch.autograd.Function):
-    """y = x W^T + b (then ReLU where ``relu``), its three gradients through oneDNN."""
+    """y = x W^T + b (then ReLU where ``relu``) and the input gradient through oneDNN; the weight
+    gradient through torch's own product."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool) -> Tensor:
