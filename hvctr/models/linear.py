@@ -49,6 +49,14 @@ def cpu_gemm(environ=os.environ) -> str:
 _USE_ONEDNN = cpu_gemm() == "onednn"
 
 
+def describe() -> str:
+    """For rank 0's log: which products the CPU layers use, and how to change it."""
+    if _USE_ONEDNN:
+        return "oneDNN (HVCTR_CPU_GEMM=mkl for torch's own)"
+    why = "HVCTR_CPU_GEMM=mkl" if _onednn_available() else "this torch has no oneDNN linear"
+    return f"torch's own ({why})"
+
+
 def _mm(a: Tensor, b_t: Tensor) -> Tensor:
     """a @ b_t.T through oneDNN: a [M, K], b_t [N, K]."""
     return torch.ops.mkldnn._linear_pointwise(a, b_t, None, "none", [], "")

@@ -77,6 +77,7 @@ def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device
     import torch  # here, not at the top: the preflight before it needs none of it
 
     from hvctr.distributed import init_comm
+    from hvctr.models.linear import describe as describe_products
 
     comm = init_comm(cfg.topology.ranks_per_virtual_node, cfg.train.stall_timeout_s, program=f"hvctr {program}",
                      backend=cfg.distributed.backend.value)
@@ -112,6 +113,7 @@ def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device
     if comm.rank == 0:
         log.info(f"torch threads: {torch.get_num_threads()} on rank 0, from {threads_why}")
         log.info(f"collectives: {comm!r}")
+        log.info(f"dense layers' products on the CPU: {describe_products()}")
     torch.use_deterministic_algorithms(True)
     # comm: allgather of every rank's effective binding, for one table on rank 0
     reports = comm.allgather_object(binding_report(placement), name="binding")

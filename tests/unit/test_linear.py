@@ -80,6 +80,12 @@ def test_mkl_puts_back_torchs_own_products_bit_for_bit(monkeypatch):
     assert torch.equal(mlp(x), ref(x))
 
 
+def test_the_log_line_says_which_products_and_how_to_switch(monkeypatch):
+    assert "HVCTR_CPU_GEMM=mkl" in lin.describe()
+    monkeypatch.setattr(lin, "_USE_ONEDNN", False)
+    assert lin.describe().startswith("torch's own")
+
+
 def test_the_variable_is_checked():
     assert lin.cpu_gemm({"HVCTR_CPU_GEMM": "MKL"}) == "mkl"
     with pytest.raises(ValueError, match="HVCTR_CPU_GEMM='openblas'"):
