@@ -126,8 +126,9 @@ def reference_run(work: Path, data: Path, which: str, tag: str, flags: list[str]
     """One bench.baseline run (``flags``: more of its options, e.g. --arch dlrm), its result
     kept under ``work`` (a rerun of the benchmark reads it)."""
     user = which in ("plain", "torchrec")
-    system = REFERENCES[which] + ("_onednn" if user and onednn else "")
-    out = work / f"{which}{'_onednn' if user and onednn else ''}.{tag}.jsonl"
+    suffix = "_onednn" if user and onednn else ""
+    system = REFERENCES[which] + suffix
+    out = work / f"{which}{suffix}.{tag}.jsonl"
     if not out.exists():
         tmp = out.with_name(out.name + ".tmp")
         _run([PY, "-m", "bench.baseline", "--data", str(data), "--runs", which, "--out", str(tmp), *flags],

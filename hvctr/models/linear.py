@@ -1,6 +1,7 @@
 """The dense layers' matrix products on the CPU: oneDNN's, not MKL's.
 
-Every model's Linear layers (the MLPs, DLRM's bottom MLP, DCN's cross layers) go through
+The models' Linear layers (the MLPs, DLRM's bottom MLP, DCN's cross layers; not DeepFM's and
+Wide & Deep's 13 -> 1 linear term on the dense features) go through
 ``linear(x, weight, bias, relu)``. For float32 tensors on the CPU it runs
 ``torch.ops.mkldnn._linear_pointwise`` (oneDNN, which torch's CPU wheels carry) in a
 ``torch.autograd.Function`` of its own: the forward with the ReLU fused into the GEMM where a
