@@ -47,9 +47,9 @@ class AdamScaling(str, enum.Enum):
 
 
 class SparseRule(str, enum.Enum):
-    AUTO = "auto"  # matched from 4 ranks on (kstep), average below (hvctr.config.resolve.resolve_merge)
+    AUTO = "auto"  # kstep: sum for row-wise Adagrad; else matched from 4 ranks on, average below (hvctr.config.resolve)
     AVERAGE = "average"  # an owner keeps the mean of the contributors' copies of a row
-    SUM = "sum"  # old + the sum of the contributors' moves
+    SUM = "sum"  # old + the sum of the contributors' moves (row-wise Adagrad: and of its accumulator's increments)
     SQRT = "sqrt"  # old + sqrt(contributors) x their mean move
     MATCHED = "matched"  # old + the mean move scaled to the move sync would have made (hvctr.storage.row_merge)
 

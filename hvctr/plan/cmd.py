@@ -134,7 +134,7 @@ def node_info(hwmap: HardwareMap, ranks_per_node: int, threads: int = 0, ssd_byt
 def job_from(cfg: Config, nodes: int, ranks_per_node: int, keys: int, pass_rows: int,
              keys_per_row: float = 0.0) -> Job:
     """``keys_per_row``: a sample's keys where fields are multi-valued (the curve's), 0: one a field."""
-    s, m = cfg.storage, resolve_merge(cfg.merge, nodes * ranks_per_node)
+    s, m = cfg.storage, resolve_merge(cfg.merge, nodes * ranks_per_node, cfg.train.sparse_optimizer)
     return Job(nodes=nodes, ranks_per_node=ranks_per_node, keys=keys, dim=s.dim,
                batch_size_per_rank=(cfg.data.global_batch_size // (nodes * ranks_per_node) or 1
                                     if cfg.data.global_batch_size else cfg.data.batch_size_per_rank),

@@ -90,12 +90,12 @@ def evaluation(run_dir: Path) -> dict:
 @pytest.mark.parametrize("np_,mode", [(2, "kstep"), (3, "kstep"), (3, "sync"), (3, "kstep-dense2"), (3, "kstep-matched"),
                                       (3, "kstep-powersgd"), (3, "kstep-shared"),
                                       (3, "kstep-shared-fp32"), (3, "kstep-rowwise_adam"),
-                                      (3, "sync-rowwise_adagrad")])
+                                      (3, "kstep-rowwise_adagrad"), (3, "sync-rowwise_adagrad")])
 def test_simulation_equals_mpirun_bit_for_bit(dataset, tmp_path, np_, mode):
     flags = [*SAME, f"--merge.mode={mode.split('-')[0]}", "--merge.every_k_steps=4"]
     if mode.startswith("sync"):
         flags[1] = "--train.max_steps=12"
-    if "rowwise" in mode:  # the rows keep the row-wise states, which the owners average (kstep) or step (sync)
+    if "rowwise" in mode:  # the row-wise states: the owners average Adam's, sum Adagrad's increments (kstep), step (sync)
         flags += [f"--train.sparse_optimizer={mode.split('-')[1]}"]
     if mode == "kstep-dense2":  # the dense model also merges inside each window, its moves in fp16
         flags += ["--merge.dense_every_steps=2", "--merge.compression=fp16"]

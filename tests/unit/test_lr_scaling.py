@@ -116,3 +116,20 @@ def test_owners_scale_the_rows_moves_from_4_ranks_on_by_default():
     assert resolve_merge(auto, AUTO_MATCHED_RANKS).sparse_rule is SparseRule.MATCHED
     assert resolve_merge(MergeConfig(mode=MergeMode.SYNC), 64).sparse_rule is SparseRule.AVERAGE  # no owner merge
     assert resolve_merge(MergeConfig(sparse_rule=SparseRule.AVERAGE), 64).sparse_rule is SparseRule.AVERAGE
+
+
+def test_owners_sum_rowwise_adagrads_rows_at_every_world_size_by_default():
+    from hvctr.config import MergeConfig, MergeMode, SparseRule
+    from hvctr.config.resolve import resolve_merge
+    from hvctr.formats import SparseOptimizer
+
+    auto = MergeConfig(every_k_steps=8)
+    for w in (2, 3, 4, 8, 64):
+        assert resolve_merge(auto, w, SparseOptimizer.ROWWISE_ADAGRAD).sparse_rule is SparseRule.SUM, w
+        assert resolve_merge(auto, w, "rowwise_adagrad").sparse_rule is SparseRule.SUM, w
+    assert resolve_merge(auto, 2, SparseOptimizer.ROWWISE_ADAM).sparse_rule is SparseRule.AVERAGE  # Adam's: as before
+    assert resolve_merge(auto, 8, SparseOptimizer.ADAM).sparse_rule is SparseRule.MATCHED
+    sync = MergeConfig(mode=MergeMode.SYNC)
+    assert resolve_merge(sync, 8, SparseOptimizer.ROWWISE_ADAGRAD).sparse_rule is SparseRule.AVERAGE  # no owner merge
+    chosen = MergeConfig(every_k_steps=8, sparse_rule=SparseRule.AVERAGE)
+    assert resolve_merge(chosen, 8, SparseOptimizer.ROWWISE_ADAGRAD).sparse_rule is SparseRule.AVERAGE  # as set

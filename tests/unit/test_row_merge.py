@@ -89,3 +89,36 @@ def test_contributor_spread_is_the_mean_squared_move():
 def test_matched_needs_the_spread():
     with pytest.raises(ValueError, match="spread"):
         merged_rows(SparseRule.MATCHED, LAYOUT, window_rows([0.0], [0.0]), window_rows([1.0], [1.0]), np.array([2]))
+
+
+ADAGRAD = RowLayout(2, "rowwise_adagrad")  # model columns 0..2, the accumulator, the step
+
+
+def adagrad_rows(model, acc, step):
+    r = np.empty((len(model), ADAGRAD.width), dtype=np.float32)
+    r[:, ADAGRAD.model] = np.asarray(model, dtype=np.float32)[:, None]
+    r[:, ADAGRAD.v] = np.asarray(acc, dtype=np.float32)[:, None]
+    r[:, ADAGRAD.step] = step
+    return r
+
+
+def test_sum_adds_up_rowwise_adagrads_accumulator_increments_too():
+    old = adagrad_rows([1.0, 1.0], [2.0, 2.0], [5.0, 5.0])
+    mean = adagrad_rows([1.5, 1.5], [3.0, 3.0], [13.0, 13.0])  # each copy took 8 steps, its accumulator +1
+    out = merged_rows(SparseRule.SUM, ADAGRAD, old, mean.copy(), np.array([4, 1]))
+    assert np.allclose(out[0, ADAGRAD.model], 1 + 4 * 0.5)
+    assert out[0, ADAGRAD.v.start] == 2 + 4 * 1.0  # the four contributors' increments, summed
+    assert out[0, ADAGRAD.step] == 13.0  # the step column: averaged, as under every rule
+    assert np.array_equal(out[1], mean[1])  # one contributor: its row as sent, bit for bit
+    average = merged_rows(SparseRule.AVERAGE, ADAGRAD, old, mean.copy(), np.array([4, 1]))
+    assert np.array_equal(average, mean)  # the mean of everything, the accumulator too
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "rowwise_adam"])
+def test_sum_leaves_adams_second_moments_averaged(optimizer):
+    lay = RowLayout(2, optimizer)
+    old = np.full((1, lay.width), 1.0, dtype=np.float32)
+    mean = np.full((1, lay.width), 2.0, dtype=np.float32)
+    out = merged_rows(SparseRule.SUM, lay, old, mean.copy(), np.array([3]))
+    assert np.allclose(out[0, lay.model], 1 + 3 * 1.0)
+    assert np.array_equal(out[0, lay.states], mean[0, lay.states])  # Adam's estimates, not sums
