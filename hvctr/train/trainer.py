@@ -92,7 +92,8 @@ class Trainer:
         t = cfg.train
         # merge.lr_scaling, merge.adam_scaling: the rates of each step and Adam's constants at W ranks
         self.lr = LearningRates(t, cfg.merge, batch_growth(cfg.data, comm.size))
-        self.merge_cfg = resolve_merge(cfg.merge, comm.size, cfg.train.sparse_optimizer)  # the auto settings at this world size
+        # merge's auto settings at this world size, for this optimiser's rows
+        self.merge_cfg = resolve_merge(cfg.merge, comm.size, cfg.train.sparse_optimizer)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=t.dense_lr, betas=(self.lr.beta1, self.lr.beta2),
                                           eps=self.lr.eps)
         self.data = TrainData(cfg.data, comm, run_dir=run_dir)
