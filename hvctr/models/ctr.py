@@ -93,6 +93,12 @@ class CrossNet(nn.Module):
     rank (the paper's low-rank DCN, eq. 2; torchrec's LowRankCrossNet): V_l an ``nn.Linear(N, r)``
     without bias, then U_l an ``nn.Linear(r, N)`` that carries b_l. Either way every parameter is
     an nn.Linear's, which the planner counts.
+
+    Initialised as torchrec's CrossNet and LowRankCrossNet (MLPerf's DLRM-DCNv2): every W, U and V
+    by xavier_normal_, every b_l zero, so that x_{l+1} = x_l + x0 * (W_l x_l) at the start (with
+    nn.Linear's own init, a uniform bias of +-1/sqrt(fan_in) scaled x0 into every layer). Against
+    that init on multi-hot data (DLRM-DCNv2, 2 ranks, k = 8, two seeds): AUC +0.0022 / -0.0003 at
+    a global batch of 4096, +0.0013 / +0.0011 at 2 x 4096 (docs/models.md).
     """
 
     def __init__(self, in_features: int, num_layers: int, rank: int = 0) -> None:
@@ -103,6 +109,11 @@ class CrossNet(nn.Module):
             self.layers = nn.ModuleList(
                 nn.Sequential(nn.Linear(in_features, rank, bias=False), nn.Linear(rank, in_features))
                 for _ in range(num_layers))
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_normal_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
         self.in_features, self.rank = in_features, rank
 
     def forward(self, x0: Tensor) -> Tensor:

@@ -83,6 +83,21 @@ def test_cross_network_matches_its_formula_element_by_element(rank):
         torch.testing.assert_close(net(x0), cross_by_elements(x0, weights, biases), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("rank", [0, 16])
+def test_cross_network_starts_as_torchrecs_xavier_normal_weights_and_zero_biases(rank):
+    torch.manual_seed(5)
+    n = 400
+    net = CrossNet(n, num_layers=2, rank=rank)
+    for layer in net.layers:
+        linears = list(layer) if isinstance(layer, torch.nn.Sequential) else [layer]
+        for lin in linears:
+            fan_out, fan_in = lin.weight.shape
+            want = (2.0 / (fan_in + fan_out)) ** 0.5  # xavier_normal_'s standard deviation
+            assert abs(lin.weight.std().item() / want - 1) < 0.05, (lin.weight.shape, lin.weight.std().item(), want)
+            assert abs(lin.weight.mean().item()) < 0.1 * want  # normal around 0, not uniform's +-bound
+        assert torch.count_nonzero(linears[-1].bias) == 0  # b_l starts at 0
+
+
 def test_low_rank_cross_is_full_rank_with_w_equal_u_v_transposed():
     torch.manual_seed(3)
     low = CrossNet(9, num_layers=3, rank=2).double()
