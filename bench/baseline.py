@@ -420,6 +420,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cross-layers", type=int, default=3, help="dlrm-dcnv2: cross layers")
     p.add_argument("--cross-rank", type=int, default=64, help="dlrm-dcnv2: the cross layers' low rank")
     p.add_argument("--max-steps", type=int, default=0, help="stop plain training after this many steps; 0: epochs")
+    p.add_argument("--seed", type=int, default=1234, help="plain, torchrec: torch's seed for the model's initial weights")
     p.add_argument("--ceiling-procs", type=int, default=2)
     p.add_argument("--ceiling-steps", type=int, default=30)
     p.add_argument("--in-features", type=int, default=0, help="MLP input width; 0: 26 * dim + 13")
@@ -449,7 +450,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             if splits is None:
                 splits = load_split(args.data, "train"), load_split(args.valid_data or args.data, "valid")
             common = dict(dim=args.dim, hidden=args.hidden, batch_size=args.batch_size, epochs=args.epochs,
-                          lr=args.lr, max_steps=args.max_steps)
+                          lr=args.lr, max_steps=args.max_steps, seed=args.seed)
             results.append(run_plain(*splits, **common) if name == "plain" else
                            run_torchrec(*splits, **common, sparse_lr=args.torchrec_lr,
                                         optimizer=args.torchrec_optimizer, arch=args.arch, bottom=args.bottom,
