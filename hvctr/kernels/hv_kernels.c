@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -480,13 +481,15 @@ void hv_sum_pooled_ld(const int64_t *inverse, const int64_t *off, int64_t nbags,
 
 typedef struct { int64_t first, count, lo, hi; } hv_io_run;
 
-typedef struct {
+typedef struct hv_io_job {
     int fd, write, flags;
     int64_t base, item_bytes;
     const int64_t *pos;
     char *buf;
     const hv_io_run *runs;
     int64_t nruns, next, err, calls, bytes;
+    int64_t helpers_max, helpers_in; /* the pool's threads it may take, and those working on it (io_mu) */
+    struct hv_io_job *queued;        /* the next job in io_queue (io_mu) */
 } hv_io_job;
 
 static inline int64_t io_floor(int64_t x) { return x & ~(HV_IO_PAGE - 1); }
@@ -581,12 +584,13 @@ static int64_t io_do_run(hv_io_job *jb, const hv_io_run *r, char **scratch, int6
         if (!rc) __atomic_fetch_add(&jb->bytes, span, __ATOMIC_RELAXED);
         return rc;
     }
-    if (span > *cap) {
-        char *bigger = io_scratch_new(span);
+    if (span > *cap) { /* once for any run of the batch (HV_IO_MAX_RUN), or a longer write's */
+        const int64_t want = span > HV_IO_MAX_RUN + 2 * HV_IO_PAGE ? span : HV_IO_MAX_RUN + 2 * HV_IO_PAGE;
+        char *bigger = io_scratch_new(want);
         if (!bigger) return -ENOMEM;
         io_scratch_free(*scratch, *cap);
         *scratch = bigger;
-        *cap = span;
+        *cap = want;
     }
     const int64_t last_end = jb->base + jb->pos[r->first + r->count - 1] * ib + ib;
     if (jb->write && jb->pos[r->first + r->count - 1] - jb->pos[r->first] + 1 == r->count && span > 2 * HV_IO_PAGE) {
@@ -624,29 +628,136 @@ static int64_t io_do_run(hv_io_job *jb, const hv_io_run *r, char **scratch, int6
     return rc;
 }
 
-static void *io_worker(void *arg)
+/* A thread's scratch, kept between batches: runs of scattered rows and index blocks fit it; a
+   longer run (up to HV_IO_MAX_RUN) grows it for the rest of the batch. 31 helpers then keep 2 MiB
+   (a rank's memory budget counts it), where the whole 264 KiB each would keep 8 MiB. */
+#define HV_IO_SCRATCH (64LL * 1024)
+
+static void io_fail(hv_io_job *jb, int64_t rc)
 {
-    hv_io_job *jb = arg;
-    int64_t cap = HV_IO_MAX_RUN + 2 * HV_IO_PAGE;
-    char *scratch = io_scratch_new(cap);
-    if (!scratch) {
-        int64_t zero = 0;
-        __atomic_compare_exchange_n(&jb->err, &zero, -ENOMEM, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
-        return NULL;
-    }
+    int64_t zero = 0;
+    __atomic_compare_exchange_n(&jb->err, &zero, rc, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+/* Takes runs of jb until none is left (or one failed). */
+static void io_work_on(hv_io_job *jb, char **scratch, int64_t *cap)
+{
     for (;;) {
         if (__atomic_load_n(&jb->err, __ATOMIC_RELAXED)) break;
         const int64_t k = __atomic_fetch_add(&jb->next, 1, __ATOMIC_RELAXED);
         if (k >= jb->nruns) break;
-        const int64_t rc = io_do_run(jb, &jb->runs[k], &scratch, &cap);
+        const int64_t rc = io_do_run(jb, &jb->runs[k], scratch, cap);
         if (rc) {
-            int64_t zero = 0;
-            __atomic_compare_exchange_n(&jb->err, &zero, rc, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+            io_fail(jb, rc);
             break;
         }
     }
-    io_scratch_free(scratch, cap);
-    return NULL;
+}
+
+/* The pool: threads started once and kept, each with its scratch, waiting for batches. A batch
+   used to start its own threads and end them: at a table the page cache holds, the threads'
+   starts (their stacks' mmap and mprotect, the munmap at their end) took more CPU than the reads
+   (issue 32's out-of-core profile). A batch queues itself for up to threads - 1 helpers and works
+   on its runs itself; the helpers that joined it leave once its runs are taken, and the batch
+   returns after the last has left. Batches of several threads (the prefetch thread's warm, the
+   training thread's pull and write-back) share the pool. In a child of fork() the pool is empty.
+   The threads stay blocked on io_wake between batches, their signals blocked. */
+static pthread_mutex_t io_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t io_wake = PTHREAD_COND_INITIALIZER; /* a batch was queued */
+static pthread_cond_t io_left = PTHREAD_COND_INITIALIZER; /* a helper left a batch */
+static hv_io_job *io_queue;                               /* batches that may take helpers */
+static int64_t io_threads_started;
+static int io_atfork_set;
+
+static void io_pool_after_fork(void)
+{
+    pthread_mutex_init(&io_mu, NULL);
+    pthread_cond_init(&io_wake, NULL);
+    pthread_cond_init(&io_left, NULL);
+    io_queue = NULL;
+    io_threads_started = 0;
+}
+
+static int io_wants_help(const hv_io_job *jb)
+{
+    return jb->helpers_in < jb->helpers_max && !__atomic_load_n(&jb->err, __ATOMIC_RELAXED) &&
+           __atomic_load_n(&jb->next, __ATOMIC_RELAXED) < jb->nruns;
+}
+
+static void *io_pool_thread(void *arg)
+{
+    (void)arg;
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals go to the process's own threads */
+    int64_t cap = HV_IO_SCRATCH;
+    char *scratch = io_scratch_new(cap);
+    pthread_mutex_lock(&io_mu);
+    if (!scratch) { /* no memory for it: the pool goes on without this thread */
+        --io_threads_started;
+        pthread_mutex_unlock(&io_mu);
+        return NULL;
+    }
+    for (;;) {
+        hv_io_job *jb = io_queue;
+        while (jb && !io_wants_help(jb)) jb = jb->queued;
+        if (!jb) {
+            pthread_cond_wait(&io_wake, &io_mu);
+            continue;
+        }
+        ++jb->helpers_in;
+        pthread_mutex_unlock(&io_mu);
+        io_work_on(jb, &scratch, &cap);
+        if (cap > HV_IO_SCRATCH) { /* a larger run's scratch is not kept */
+            io_scratch_free(scratch, cap);
+            cap = HV_IO_SCRATCH;
+            scratch = io_scratch_new(cap);
+        }
+        pthread_mutex_lock(&io_mu);
+        if (--jb->helpers_in == 0) pthread_cond_broadcast(&io_left);
+        if (!scratch) {
+            --io_threads_started;
+            pthread_mutex_unlock(&io_mu);
+            return NULL;
+        }
+    }
+}
+
+/* Queues jb for up to jb->helpers_max of the pool's threads, starting threads the pool lacks. */
+static void io_pool_enter(hv_io_job *jb)
+{
+    pthread_mutex_lock(&io_mu);
+    if (!io_atfork_set) {
+        pthread_atfork(NULL, NULL, io_pool_after_fork);
+        io_atfork_set = 1;
+    }
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&attr, 256 * 1024);
+    while (io_threads_started < jb->helpers_max && io_threads_started < HV_IO_MAX_THREADS) {
+        pthread_t t;
+        if (pthread_create(&t, &attr, io_pool_thread, NULL)) break; /* fewer threads, same result */
+        ++io_threads_started;
+    }
+    pthread_attr_destroy(&attr);
+    jb->queued = io_queue;
+    io_queue = jb;
+    pthread_cond_broadcast(&io_wake);
+    pthread_mutex_unlock(&io_mu);
+}
+
+/* Takes jb off the queue and waits for its helpers to leave it. */
+static void io_pool_leave(hv_io_job *jb)
+{
+    pthread_mutex_lock(&io_mu);
+    for (hv_io_job **p = &io_queue; *p; p = &(*p)->queued)
+        if (*p == jb) {
+            *p = jb->queued;
+            break;
+        }
+    while (jb->helpers_in) pthread_cond_wait(&io_left, &io_mu);
+    pthread_mutex_unlock(&io_mu);
 }
 
 static int64_t io_batch(int64_t fd, int64_t base, int64_t item_bytes, const int64_t *pos, int64_t n, char *buf,
@@ -665,12 +776,18 @@ static int64_t io_batch(int64_t fd, int64_t base, int64_t item_bytes, const int6
     int64_t nt = threads < 1 ? 1 : threads;
     if (nt > jb.nruns) nt = jb.nruns;
     if (nt > HV_IO_MAX_THREADS) nt = HV_IO_MAX_THREADS;
-    pthread_t tid[HV_IO_MAX_THREADS];
-    int64_t started = 0;
-    for (; started < nt - 1; ++started)
-        if (pthread_create(&tid[started], NULL, io_worker, &jb)) break; /* fewer threads, same result */
-    io_worker(&jb); /* the calling thread works too */
-    for (int64_t t = 0; t < started; ++t) pthread_join(tid[t], NULL);
+    jb.helpers_max = nt - 1;
+    if (jb.helpers_max > 0) io_pool_enter(&jb);
+    int64_t cap = HV_IO_SCRATCH;
+    char *scratch = io_scratch_new(cap);
+    if (scratch) /* the calling thread works too */
+        io_work_on(&jb, &scratch, &cap);
+    else if (!jb.helpers_max)
+        io_fail(&jb, -ENOMEM);
+    if (jb.helpers_max > 0) io_pool_leave(&jb);
+    io_scratch_free(scratch, cap);
+    if (!jb.err && __atomic_load_n(&jb.next, __ATOMIC_RELAXED) < jb.nruns) /* no thread could take them */
+        jb.err = -ENOMEM;
     int64_t rc = jb.err;
     if (!rc && write && (flags & HV_IO_WRITE_BEHIND)) {
         const int64_t lo = io_floor(base + pos[0] * item_bytes), hi = io_ceil(base + pos[n - 1] * item_bytes + item_bytes);

@@ -581,9 +581,11 @@ def plan(job: Job, node: NodeInfo, rates: Rates, curve: KeyCurve) -> Plan:
     if job.prefetch and job.pull_ahead and job.push_behind is PushBehind.ON and job.mode is MergeMode.KSTEP:
         behind = u - rows_held_over(job, curve)[0]  # the rows a push leaves behind, until the prefetch thread sends them
     host_rank = _host_bytes_per_rank(job, u, P, behind)
+    windows_owned = 2 if job.prefetch and job.pull_ahead else 1  # this window's and, pulled ahead, the next's
+    host_rank += u_o * 8 * windows_owned  # where the owner's pull found its rows, kept for the push's write
     if job.sparse_rule is not SparseRule.AVERAGE or job.shared_rows:  # the owner's rows as pulled, kept for the push
         # (and, with storage.pull_ahead, the next window's too, from its warm to its pull)
-        host_rank += u_o * layout.row_bytes * (2 if job.prefetch and job.pull_ahead else 1)
+        host_rank += u_o * layout.row_bytes * windows_owned
     free = node.host_memory_bytes - job.ranks_per_node * host_rank
     shard_in_ram = node.host_memory_bytes > 0 and free >= job.ranks_per_node * shard["total"]
     behind = job.write_behind is WriteBehind.ON or (job.write_behind is WriteBehind.AUTO and node.memory_limited)

@@ -63,7 +63,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -76,7 +76,7 @@ from hvctr.storage import store as _store
 from hvctr.storage.routing import Routing
 from hvctr.storage.row_merge import contributor_spread, merged_rows
 from hvctr.storage.shared_rows import SharedRows, choose_owned
-from hvctr.storage.store import EmbeddingStore, as_keys, require_unique
+from hvctr.storage.store import EmbeddingStore, RowPositions, as_keys, require_unique
 
 if TYPE_CHECKING:
     from hvctr.distributed.protocol import Comm
@@ -171,10 +171,13 @@ class WindowExchange:
     chosen by the pull. ``tag``: (epoch, first batch) of a training window, under which owners log
     where its rows were for the same window of the next pass (hvctr.storage.position_log).
     ``ahead``: what its warm answered ahead of the pull (storage.pull_ahead), and what is left.
-    ``split``: which of its rows the next window holds (push_behind), set by that window's warm."""
+    ``split``: which of its rows the next window holds (push_behind), set by that window's warm.
+    ``placed``: where this rank's store found the rows it answered the pull with as an owner
+    (``asked.uniq``'s; -1 where not yet read): the push writes them there without looking them up."""
     routing: Routing
     asked: Asked | None = None
     pulled: np.ndarray | None = None
+    placed: RowPositions | None = None
     shared: SharedRows | None = None
     tag: tuple[int, int] | None = None
     ahead: "PulledAhead | None" = None
@@ -446,7 +449,8 @@ class ShardedTable:
         window = keys if isinstance(keys, WindowExchange) else None
         # the window the last push wrote ahead of: the rows it left to write are none of its own
         ahead, self._ahead = self._ahead is not None and keys is self._ahead, None
-        read = functools.partial(self.store.read, deferred_ok=ahead, tag=window.tag if window is not None else None)
+        read = functools.partial(self._read_owned, window, deferred_ok=ahead,
+                                 tag=window.tag if window is not None else None)
         r = self._routed(keys)
         if window is not None and window.ahead is not None:
             rows = self._answer_late(window, name, read)
@@ -460,6 +464,22 @@ class ShardedTable:
                 window.shared = self._share(r, asked, window, name)
         if ahead:
             self.store.start_deferred()  # while this window trains
+        return rows
+
+    def _read_owned(self, x: WindowExchange | None, keys: np.ndarray, at: np.ndarray | None = None,
+                    **read: Any) -> np.ndarray:
+        """The owner's training read of ``keys`` (x's ``asked.uniq``, or ``asked.uniq[at]``, a
+        part read ahead or late): their rows; where the store found them goes to ``x.placed``
+        for the push's write (as pulled, the rows' places do not change before it)."""
+        rows, placed = self.store.read_placed(keys, **read)
+        if x is None:
+            return rows
+        if at is None:
+            x.placed = placed
+        else:
+            if x.placed is None or x.placed.epoch != placed.epoch:  # a part read before a compaction: dropped
+                x.placed = RowPositions(np.full(x.asked.uniq.shape[0], -1, dtype=np.int64), placed.epoch)
+            x.placed.pos[at] = placed.pos
         return rows
 
     def _share(self, r: Routing, asked: Asked, window: "WindowExchange", name: str) -> SharedRows:
@@ -502,11 +522,11 @@ class ShardedTable:
             late_entry = late_key[asked.inverse]  # per key asked, in message order
             early = np.flatnonzero(~late_key)
             if early.size == asked.uniq.shape[0]:
-                owned = self.store.read(asked.uniq, tag=x.tag)
+                owned = self._read_owned(x, asked.uniq, tag=x.tag)
             else:
                 owned = np.empty((asked.uniq.shape[0], self.width), dtype=np.float32)
                 if early.size:
-                    owned[early] = self.store.read(asked.uniq[early], tag=x.tag)
+                    owned[early] = self._read_owned(x, asked.uniq[early], early, tag=x.tag)
             source = np.repeat(np.arange(self.comm.size), asked.received)
             late_entries = np.flatnonzero(late_entry)
             late_splits = np.bincount(source[late_entries], minlength=self.comm.size).tolist()
@@ -549,7 +569,7 @@ class ShardedTable:
         a, asked = x.ahead, x.asked
         x.ahead = None
         with self._call("pull") as rec:
-            late = read(asked.uniq[a.late]) if a.late.size else np.empty((0, self.width), dtype=np.float32)
+            late = read(asked.uniq[a.late], a.late) if a.late.size else np.empty((0, self.width), dtype=np.float32)
             if a.owned is not None:  # the rows as pulled are kept whole
                 a.owned[a.late] = late
                 msg = take_rows(a.owned, asked.inverse[a.late_entries])
@@ -610,8 +630,9 @@ class ShardedTable:
             if asked is None:
                 got, received = self._alltoall(rec, _pack(r.keys, values, r.order), r.splits, f"{name}.rows")
                 uniq, mean, count = merge_messages(got, received, divide=True)
+                placed = None
                 if self.sparse_rule is not SparseRule.AVERAGE:
-                    old = self.store.read(uniq, count=False)
+                    old, placed = self.store.read_placed(uniq, count=False)
                     spread = None
                     if self.sparse_rule is SparseRule.MATCHED:
                         sent_keys, copies = _unpack(got)
@@ -619,13 +640,13 @@ class ShardedTable:
                         inverse = order[np.searchsorted(uniq, sent_keys, sorter=order)]
                         spread = contributor_spread(copies, inverse, old, count, self.store.layout)
                     mean = merged_rows(self.sparse_rule, self.store.layout, old, mean, count, spread, steps)
-                self._store_merged(uniq, mean, ahead)
+                self._store_merged(uniq, mean, ahead, placed)
                 return
             # the rows in the order their keys were sent: the owner's request says whose they are
             msg = values if r.in_order else values[r.order]
             if split is None:
                 self._merge_sent(rec, keys, msg, r.splits, None, name, steps, ahead)
-                keys.pulled = None
+                keys.pulled = keys.placed = None
                 return
             owner = np.repeat(np.arange(self.comm.size), r.splits)
             now, later = split.now_sent, ~split.now_sent
@@ -650,7 +671,7 @@ class ShardedTable:
             with self._call("push_behind") as rec, self.comm.stream("behind"):
                 self._merge_sent(rec, p.window, p.msg, p.splits, p.keep, p.name, p.steps, None)
                 rec["rows"] = float(p.msg.shape[0])
-            p.window.pulled = None
+            p.window.pulled = p.window.placed = None
 
     def _merge_sent(self, rec: dict, x: WindowExchange, msg: np.ndarray, splits: list[int], keep: np.ndarray | None,
                     name: str, steps: int, ahead: WindowExchange | None) -> None:
@@ -666,6 +687,10 @@ class ShardedTable:
         uniq, mean, count = merge_asked(copies, asked, divide=True)
         # merge_asked's numpy fallback sorts the keys: the rows as pulled and the copies' keys follow
         perm = None if uniq is asked.uniq else np.argsort(asked.uniq, kind="stable")
+        placed = x.placed  # where the pull found them, in the order of uniq
+        if placed is not None:
+            placed = placed if idx is None else placed.take(idx)
+            placed = placed if perm is None else placed.take(perm)
         owners_rows = None  # merge.shared_rows: the owner stepped them: its copies, not the holders'
         shared = x.shared
         if shared is not None and shared.owned.size:
@@ -681,7 +706,7 @@ class ShardedTable:
                 old = x.pulled if idx is None else x.pulled[idx]
                 old = old if perm is None else old[perm]
             else:
-                old = self.store.read(uniq, count=False)
+                old, placed = self.store.read_placed(uniq, count=False)
             spread = None
             if self.sparse_rule is SparseRule.MATCHED:
                 inverse = asked.inverse
@@ -694,22 +719,25 @@ class ShardedTable:
         del got, copies  # merged: freed before the write
         if owners_rows is not None:
             mean[owners_rows[0]] = owners_rows[1]
-        self._store_merged(uniq, mean, ahead)
+        self._store_merged(uniq, mean, ahead, placed)
 
-    def _store_merged(self, uniq: np.ndarray, mean: np.ndarray, ahead: WindowExchange | None) -> None:
-        """The owner's merged rows into its store: those the next window holds now, the rest
-        deferred to its pull (where ``ahead``'s keys were sent and defer_writes is on)."""
+    def _store_merged(self, uniq: np.ndarray, mean: np.ndarray, ahead: WindowExchange | None,
+                      placed: RowPositions | None = None) -> None:
+        """The owner's merged rows into its store (``placed``: where it found them, if known):
+        those the next window holds now, the rest deferred to its pull (where ``ahead``'s keys
+        were sent and defer_writes is on)."""
         asked = ahead.asked if ahead is not None else None
         if not self.defer_writes or asked is None or len(asked.received) != self.comm.size or uniq.size == 0:
-            self.store.write(uniq, mean)
+            self.store.write(uniq, mean, placed)
             return
         later = ~held_by(uniq, asked.uniq)
         now = np.flatnonzero(~later)
         later = np.flatnonzero(later)
         if now.size:
-            self.store.write(uniq[now], mean[now])
+            self.store.write(uniq[now], mean[now], None if placed is None else placed.take(now))
         if later.size:
-            self.store.defer_write(uniq[later], mean[later] if later.size < uniq.size else mean)
+            self.store.defer_write(uniq[later], mean[later] if later.size < uniq.size else mean,
+                                   None if placed is None else placed.take(later))
             self._ahead = ahead
 
     def push_gradients(self, keys: Keys, grads: torch.Tensor | np.ndarray, apply_fn: ApplyFn, name: str) -> None:
@@ -725,9 +753,9 @@ class ShardedTable:
             got, received = self._alltoall(rec, _pack(r.keys, g, r.order), r.splits, f"{name}.grads")
             uniq, acc, _ = merge_messages(got, received, divide=False)
             acc /= np.float32(self.comm.size)
-            rows = self.store.read(uniq, count=False)
+            rows, placed = self.store.read_placed(uniq, count=False)
             new = apply_fn(torch.from_numpy(rows), torch.from_numpy(acc))
-            self.store.write(uniq, _host(new, rows.shape))
+            self.store.write(uniq, _host(new, rows.shape), placed)
 
     def _ask(self, rec: dict, r: Routing, name: str) -> Asked:
         """Sends the keys to their owners; returns what this rank was asked as an owner."""

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -82,6 +83,21 @@ def require_unique(keys: np.ndarray) -> np.ndarray:
 def _unique_keys(keys: np.ndarray) -> np.ndarray:
     """Keys handed over by the exchange: trusted unique, checked under DEBUG_CHECKS only."""
     return require_unique(keys) if DEBUG_CHECKS else as_keys(keys)
+
+
+@dataclass
+class RowPositions:
+    """Where a read found each of its keys' rows on the shard (int64, -1: none, an unadmitted
+    key), as of the store's ``epoch`` then. A shard's rows never move but where the epoch
+    changes (compact, load_rows, close: ``EmbeddingStore._quiesce``), so a write of the same
+    keys in the same epoch need not look their places up again: an owner's push writes the rows
+    its pull read, often past the shard's RecentPositions by then (issue 32's out-of-core profile:
+    a tenth of the prefetch thread's time went to looking them up again)."""
+    pos: np.ndarray
+    epoch: int
+
+    def take(self, idx: np.ndarray) -> "RowPositions":
+        return RowPositions(self.pos[idx], self.epoch)
 
 
 class AdmissionSketch:
@@ -234,12 +250,13 @@ class EmbeddingStore:
 
     # --- writes after the next window's pull --------------------------------------------
 
-    def defer_write(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """``write(keys, rows)`` later: held until ``start_deferred`` writes them on a thread, or
-        until any other method needs them stored. The caller promises that nothing reads these
-        keys before then, but through this store, and that only ``read(..., deferred_ok=True)``
-        of other keys comes first. Their places are looked up now: the shard's recent positions
-        hold them now, not after the next window's lookups."""
+    def defer_write(self, keys: np.ndarray, rows: np.ndarray, placed: RowPositions | None = None) -> None:
+        """``write(keys, rows, placed)`` later: held until ``start_deferred`` writes them on a
+        thread, or until any other method needs them stored. The caller promises that nothing
+        reads these keys before then, but through this store, and that only ``read(...,
+        deferred_ok=True)`` of other keys comes first. Their places are looked up now (but those
+        ``placed`` gives): the shard's recent positions hold them now, not after the next
+        window's lookups."""
         self.settle()
         keys = _unique_keys(keys)
         rows = np.asarray(rows, dtype=np.float32)
@@ -248,10 +265,12 @@ class EmbeddingStore:
             return
         with self._lock, self._timed():
             ent = self.cache.lookup(keys, "peek")
-            pos = np.empty(keys.shape[0], dtype=np.int64)
+            pos = np.full(keys.shape[0], -1, dtype=np.int64)
+            if placed is not None and placed.epoch == self._epoch:
+                pos[:] = placed.pos
             cached = ent >= 0
             pos[cached] = self.cache.pos[ent[cached]]  # an eviction meanwhile writes it back there
-            miss = np.flatnonzero(~cached)
+            miss = np.flatnonzero(pos < 0)
             if miss.size:
                 with self._timed(shard=True), self.shard.attributed("push"):
                     pos[miss] = self.shard.lookup(keys[miss])
@@ -270,7 +289,7 @@ class EmbeddingStore:
 
     def _write_deferred(self, d: "_DeferredWrite") -> None:
         try:
-            self._write_now(d.keys, d.rows, d.pos)
+            self._write_now(d.keys, d.rows, d.pos, exact=True)
         except BaseException as e:  # raised by the settle that waits for it
             d.error = e
         finally:
@@ -286,7 +305,7 @@ class EmbeddingStore:
             return
         if d.thread is None:
             try:
-                self._write_now(d.keys, d.rows, d.pos)
+                self._write_now(d.keys, d.rows, d.pos, exact=True)
             finally:
                 with self._lock:
                     self._deferred, d.done = None, True
@@ -331,6 +350,12 @@ class EmbeddingStore:
         training window's (epoch, first batch): the shard logs the positions it looked up or
         created for the same window of the next pass (hvctr.storage.position_log).
         """
+        return self.read_placed(keys, count, deferred_ok, tag)[0]
+
+    def read_placed(self, keys: np.ndarray, count: bool = True, deferred_ok: bool = False,
+                    tag: Tag | None = None) -> tuple[np.ndarray, RowPositions]:
+        """``read``, and where it found each row on the shard: a ``write`` of the same keys
+        given them looks none up again (an owner's push of the rows its pull read)."""
         if not deferred_ok:
             self.settle()
         keys = _unique_keys(keys)
@@ -338,7 +363,10 @@ class EmbeddingStore:
             ent = self.cache.lookup(keys, "access")
             out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
             self.cache.take(ent, out)
-            miss = np.flatnonzero(ent < 0)
+            pos = np.full(keys.shape[0], -1, dtype=np.int64)
+            hit = ent >= 0
+            pos[hit] = self.cache.pos[ent[hit]]
+            miss = np.flatnonzero(~hit)
             if miss.size:
                 if tag is not None:  # the warm's recall, where no warm ran (data.prefetch = false)
                     with self._timed(shard=True), self.shard.attributed("pull"):
@@ -346,16 +374,19 @@ class EmbeddingStore:
                 # count=False is a window's second read of its rows (a push's old rows)
                 with self.shard.attributed("pull" if count else "push"):
                     if miss.size == keys.shape[0]:  # every key missed (a small cache): into out itself
-                        self._read_misses(keys, count, out, tag)
+                        pos = self._read_misses(keys, count, out, tag)
                     else:
-                        out[miss] = self._read_misses(keys[miss], count, tag=tag)
-            return out
+                        rows, pos[miss] = self._read_misses(keys[miss], count, tag=tag)
+                        out[miss] = rows
+            return out, RowPositions(pos, self._epoch)
 
     def _read_misses(self, keys: np.ndarray, count: bool, out: np.ndarray | None = None,
-                     tag: Tag | None = None) -> np.ndarray:
-        """The rows of keys the cache does not hold, into ``out`` (a new array where None).
+                     tag: Tag | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """The rows of keys the cache does not hold, into ``out``, and their shard positions
+        (-1: not stored); where ``out`` is None, (a new array of the rows, the positions).
         A window's rows are copied as few times as the order of the shard asks: every
         whole-window copy is 65 MB at 327k rows of D = 16 (issue 26)."""
+        given = out is not None
         if out is None:
             out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
         with self._timed(shard=True):
@@ -386,7 +417,7 @@ class EmbeddingStore:
             rest = new[n_in:]
             self._write_shard_at(pos, keys, out, rest)
             self.counters["writethrough_rows"] += rest.size
-        return out
+        return pos if given else (out, pos)
 
     def _admit(self, keys: np.ndarray, count: bool) -> np.ndarray:
         """Which new keys may be stored now."""
@@ -422,42 +453,56 @@ class EmbeddingStore:
         with self._timed(shard=True), self.shard.attributed(cause):
             self.shard.write_rows(pos, keys, rows)
 
-    def write(self, keys: np.ndarray, rows: np.ndarray) -> None:
+    def write(self, keys: np.ndarray, rows: np.ndarray, placed: RowPositions | None = None) -> None:
         """Stores new values of ``keys`` into the cache, dirty (written through if it is full).
 
         Keys the store does not hold are created if admitted (without counting), else their
-        rows are dropped (unadmitted keys keep reading the default row).
+        rows are dropped (unadmitted keys keep reading the default row). ``placed``: where a
+        ``read_placed`` of these keys found them (used where its epoch is still the store's).
         """
         self.settle()
         keys = _unique_keys(keys)
         rows = np.asarray(rows, dtype=np.float32)
         self._check_rows(keys, rows)
-        self._write_now(keys, rows)
+        if placed is not None and placed.pos.shape != keys.shape:
+            raise ValueError(f"write: {placed.pos.shape[0]} positions for {keys.shape[0]} keys")
+        self._write_now(keys, rows, placed=placed)
 
     def _check_rows(self, keys: np.ndarray, rows: np.ndarray) -> None:
         if rows.shape != (keys.shape[0], self.layout.width):
             raise ValueError(f"write: rows of shape {rows.shape} for {keys.shape[0]} keys of width {self.layout.width}")
 
-    def _write_now(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray | None = None) -> None:
+    def _write_now(self, keys: np.ndarray, rows: np.ndarray, pos: np.ndarray | None = None,
+                   placed: RowPositions | None = None, exact: bool = False) -> None:
         """write() after its checks; ``pos``: each key's shard position where known (a deferred
-        write's, looked up at defer_write), else looked up here for the keys the cache lacks."""
+        write's, looked up at defer_write: ``exact``, -1 is a key the shard lacks; or
+        ``placed``'s where its epoch is the store's: -1 is not known), else looked up here for
+        the keys the cache lacks."""
         with self._lock, self._timed():
+            if placed is not None and placed.epoch == self._epoch:
+                pos = placed.pos
             ent = self.cache.lookup(keys, "pin")
             self.cache.put(ent, rows)
             miss = np.flatnonzero(ent < 0)
             if miss.size:
                 with self.shard.attributed("push"):
                     if miss.size == keys.shape[0]:  # every key missed (a small cache): no copy of the rows
-                        self._write_misses(keys, rows, pos)
+                        self._write_misses(keys, rows, pos, exact)
                     else:
-                        self._write_misses(keys[miss], rows[miss], None if pos is None else pos[miss])
+                        self._write_misses(keys[miss], rows[miss], None if pos is None else pos[miss], exact)
 
-    def _write_misses(self, keys: np.ndarray, rows: np.ndarray, known: np.ndarray | None = None) -> None:
-        if known is not None and np.all(known >= 0):
-            pos = known.copy()  # _cache_insert's slice of it may be kept
-        else:
+    def _write_misses(self, keys: np.ndarray, rows: np.ndarray, known: np.ndarray | None = None,
+                      exact: bool = False) -> None:
+        if known is None:
             with self._timed(shard=True):
                 pos = self.shard.lookup(keys)
+        else:
+            pos = known.copy()
+            # not known: a key the read did not store (unadmitted), which a read since may have created
+            unknown = np.flatnonzero(pos < 0) if not exact else np.zeros(0, dtype=np.int64)
+            if unknown.size:
+                with self._timed(shard=True):
+                    pos[unknown] = self.shard.lookup(keys[unknown])
         new = np.flatnonzero(pos < 0)
         admitted = self._admit(keys[new], count=False)
         self.counters["dropped_writes"] += int(np.count_nonzero(~admitted))

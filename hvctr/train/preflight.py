@@ -347,8 +347,9 @@ def rank_memory_beside_cache(cfg: Config) -> int:
     rows (k batches, about half their keys unique, at most storage.max_working_set_rows) in
     WINDOW_ROW_COPIES copies (two more with storage.pull_ahead: the next window's rows, pulled
     while this one trains, as holder and owner; one more with storage.push_behind: the rows a
-    push leaves behind), and the shard's recent positions (a quarter of the cache's bytes:
-    hvctr.storage.shard.RecentPositions). Measured: 1.2-1.6 GiB a rank at k = 8, batch 4096, 26
+    push leaves behind), the shard's recent positions (a quarter of the cache's bytes:
+    hvctr.storage.shard.RecentPositions) and the owner's positions of its window's rows, kept
+    from the pull to the push (8 bytes a row, the next window's too with pull_ahead). Measured: 1.2-1.6 GiB a rank at k = 8, batch 4096, 26
     fields, dim 16 (BENCHMARKS.md, "A table larger than memory"); this gives 1.36 GiB and the
     positions."""
     from hvctr.formats import RowLayout
@@ -364,7 +365,9 @@ def rank_memory_beside_cache(cfg: Config) -> int:
     copies = WINDOW_ROW_COPIES + (2 if ahead else 0)  # the next window's, both sides
     if ahead and cfg.storage.push_behind is not PushBehind.OFF and cfg.merge.mode is MergeMode.KSTEP:
         copies += 1  # the rows a push left behind, until the prefetch thread sends them
-    return RANK_BASE_MEMORY + copies * RowLayout(cfg.storage.dim, cfg.train.sparse_optimizer).row_bytes * rows + recent
+    placed = 8 * rows * (2 if ahead else 1)
+    return (RANK_BASE_MEMORY + copies * RowLayout(cfg.storage.dim, cfg.train.sparse_optimizer).row_bytes * rows
+            + recent + placed)
 
 
 def fit_memory(cfg: Config, env=None, meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> tuple[Config, list[str]]:

@@ -103,3 +103,61 @@ def test_direct_reads_match_and_end_inside_the_files_last_page(tmp_path, item):
         np.testing.assert_array_equal(out, want)
     finally:
         os.close(fd)
+
+
+def _threads_now() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_batches_of_several_threads_share_one_kept_pool(f):
+    """The pool's threads are started once and kept: batches from several Python threads at
+    once (the prefetch thread's warm beside the training thread's pull and write-back) each get
+    their own bytes, and the process's thread count does not grow with the batches."""
+    import threading
+
+    fd, path, data = f
+    item, n_items = 208, data.size // 208
+    out = np.empty(64 * item, dtype=np.uint8)
+    diskio.read(fd, path, 0, item, np.arange(0, 64 * 40, 40), out, 32)  # the pool started
+    before = _threads_now()
+    assert before >= 32, "the batch's 31 helpers did not stay"  # and the main thread
+    errors = []
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(40):
+                pos = np.unique(rng.integers(0, n_items, 300))
+                got = np.empty(pos.size * item, dtype=np.uint8)
+                diskio.read(fd, path, 0, item, pos, got, 1 + seed * 5)
+                want = data[(pos[:, None] * item + np.arange(item)).ravel()]
+                if not np.array_equal(got, want):
+                    errors.append(f"reader {seed}: wrong bytes")
+        except Exception as e:  # raised in the test below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert _threads_now() <= before + 1, "the batches started threads of their own"  # 1: a pool thread still starting
+
+
+def test_a_forked_child_reads_with_a_pool_of_its_own(f):
+    fd, path, data = f
+    pos = np.arange(0, 5000, 7)
+    out = np.empty(pos.size * 16, dtype=np.uint8)
+    diskio.read(fd, path, 0, 16, pos, out, 32)  # the parent's pool started
+    want = data[(pos[:, None] * 16 + np.arange(16)).ravel()]
+    child = os.fork()
+    if child == 0:  # the parent's pool threads do not exist here
+        try:
+            got = np.empty_like(out)
+            diskio.read(fd, path, 0, 16, pos, got, 32)
+            os._exit(0 if np.array_equal(got, want) else 3)
+        except BaseException:
+            os._exit(4)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

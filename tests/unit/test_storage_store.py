@@ -354,6 +354,49 @@ def test_deferred_writes_beside_reads_of_other_keys_and_a_warm_thread(tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_write_given_the_reads_positions_looks_none_up(tmp_path, cache_rows):
+    """An owner's push writes the rows its pull read (read_placed, then write / defer_write with
+    the positions): no index lookup for any key the read found or created, the same rows as
+    plain writes, and positions of an older epoch (the shard compacted between) are not used."""
+    cfg = _cfg(cache_rows, ttl_passes=2, admit_after=2)
+    stores = [EmbeddingStore(cfg, tmp_path / f"{name}.h5") for name in ("placed", "plain")]
+    placed_store, plain_store = stores
+    lookups = []
+    lookup = placed_store.shard.lookup
+    placed_store.shard.lookup = lambda keys: (lookups.append(keys.shape[0]), lookup(keys))[1]
+    uni = _universe()
+    for (idx, _), (nxt, _) in zip(_batches("zipf", 30, seed=7, size=300), _batches("zipf", 30, seed=8, size=300)):
+        keys = uni[idx]
+        rows, placed = placed_store.read_placed(keys)
+        ref = plain_store.read(keys)
+        np.testing.assert_array_equal(rows, ref)
+        assert placed.pos.shape == keys.shape
+        stored = placed.pos >= 0  # admit_after = 2: a key read once is not stored, its position -1
+        np.testing.assert_array_equal(placed.pos[stored], lookup(keys[stored]))
+        lookups.clear()
+        held = np.isin(idx, nxt)  # as _store_merged splits a push: now, and deferred to the next pull
+        placed_store.write(keys[held], rows[held] + 1, placed.take(np.flatnonzero(held)))
+        placed_store.defer_write(keys[~held], rows[~held] + 1, placed.take(np.flatnonzero(~held)))
+        placed_store.start_deferred()
+        plain_store.write(keys, ref + 1)
+        # only the keys the read did not store are looked up (their rows are dropped again)
+        assert sum(lookups) <= int(np.count_nonzero(~stored))
+    np.testing.assert_array_equal(placed_store.read(uni, count=False), plain_store.read(uni, count=False))
+    keys = uni[:50]
+    _, placed = placed_store.read_placed(keys)
+    placed_store.end_pass(), placed_store.end_pass(), placed_store.end_pass()
+    assert placed_store.compact() > 0  # rows move: the positions read before are stale
+    lookup = placed_store.shard.lookup  # a new shard file
+    placed_store.shard.lookup = lambda keys: (lookups.append(keys.shape[0]), lookup(keys))[1]
+    lookups.clear()
+    placed_store.write(keys, np.zeros((50, LAYOUT.width), np.float32), placed)
+    assert sum(lookups) == 50
+    np.testing.assert_array_equal(placed_store.read(keys, count=False), np.zeros((50, LAYOUT.width), np.float32))
+    for store in stores:
+        store.close()
+
+
 def test_a_failed_deferred_write_is_raised_where_its_rows_are_waited_for(tmp_path):
     store = EmbeddingStore(_cfg(0), tmp_path / "s.h5")
     keys = _universe()[:10]
