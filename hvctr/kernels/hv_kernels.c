@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "hv_row.h"
@@ -488,6 +489,7 @@ typedef struct hv_io_job {
     char *buf;
     const hv_io_run *runs;
     int64_t nruns, next, err, calls, bytes;
+    int nowait;                      /* reads with RWF_NOWAIT: -EAGAIN where one would wait on the device */
     int64_t helpers_max, helpers_in; /* the pool's threads it may take, and those working on it (io_mu) */
     struct hv_io_job *queued;        /* the next job in io_queue (io_mu) */
 } hv_io_job;
@@ -523,15 +525,24 @@ static int64_t io_make_runs(const hv_io_job *jb, hv_io_run *runs)
     return nr;
 }
 
-/* pread of [at, at + len): *got bytes before the end of the file (the rest is zeroed). */
+/* pread of [at, at + len): *got bytes before the end of the file (the rest is zeroed). With
+   jb->nowait, -EAGAIN where the page cache lacks a page of it, -EOPNOTSUPP where the kernel or the
+   file system refuses RWF_NOWAIT. */
 static int64_t io_pread(hv_io_job *jb, char *p, int64_t len, int64_t at, int64_t *got)
 {
     *got = 0;
     while (len > 0) {
-        ssize_t r = pread(jb->fd, p, (size_t)len, at);
+        ssize_t r;
+        if (jb->nowait) {
+            struct iovec v = {.iov_base = p, .iov_len = (size_t)len};
+            r = preadv2(jb->fd, &v, 1, at, RWF_NOWAIT);
+        } else {
+            r = pread(jb->fd, p, (size_t)len, at);
+        }
         __atomic_fetch_add(&jb->calls, 1, __ATOMIC_RELAXED);
         if (r < 0) {
             if (errno == EINTR) continue;
+            if (jb->nowait) return errno == EAGAIN ? -EAGAIN : errno == EOPNOTSUPP || errno == EINVAL ? -EOPNOTSUPP : -errno;
             /* O_DIRECT (a read fd opened so): a short read at the end of the file leaves the next
                offset unaligned, which the kernel refuses rather than report the end */
             if (errno == EINVAL && *got > 0) { memset(p, 0, (size_t)len); return 0; }
@@ -663,6 +674,16 @@ static void io_work_on(hv_io_job *jb, char **scratch, int64_t *cap)
    training thread's pull and write-back) share the pool. In a child of fork() the pool is empty.
    The threads stay blocked on io_wake between batches, their signals blocked. */
 static pthread_mutex_t io_mu = PTHREAD_MUTEX_INITIALIZER;
+/* Before the pool, the calling thread does every run whose pages the page cache holds (reads with
+   RWF_NOWAIT, which fail with EAGAIN where they would wait on the device) and hands the pool only
+   the runs that would wait: a table in the page cache is read and written at memcpy's pace by one
+   thread, no pool thread woken (on 2 cores, 31 woken threads per batch cost the compute's core
+   more than the copies did), and a table far larger than memory pays one failed call a run, until
+   HV_IO_NOWAIT_GIVE_UP runs in a row would wait: the rest of the batch goes to the pool untried.
+   Where the kernel or the file system refuses RWF_NOWAIT, every run goes to the pool from then on;
+   O_DIRECT descriptors (reads under write-behind) always go to the pool. */
+#define HV_IO_NOWAIT_GIVE_UP 64
+static int io_nowait_refused;
 static pthread_cond_t io_wake = PTHREAD_COND_INITIALIZER; /* a batch was queued */
 static pthread_cond_t io_left = PTHREAD_COND_INITIALIZER; /* a helper left a batch */
 static hv_io_job *io_queue;                               /* batches that may take helpers */
@@ -772,20 +793,45 @@ static int64_t io_batch(int64_t fd, int64_t base, int64_t item_bytes, const int6
     if (!runs) return -ENOMEM;
     hv_io_job jb = {.fd = (int)fd, .write = (int)write, .flags = (int)flags, .base = base, .item_bytes = item_bytes,
                     .pos = pos, .buf = buf, .runs = runs, .nruns = n};
-    jb.nruns = io_make_runs(&jb, runs);
+    const int64_t nruns = jb.nruns = io_make_runs(&jb, runs);
+    int64_t cap = HV_IO_SCRATCH;
+    char *scratch = io_scratch_new(cap);
+    hv_io_run *waiting = NULL; /* the runs the first pass left to the pool */
+    if (scratch && threads > 1 && !__atomic_load_n(&io_nowait_refused, __ATOMIC_RELAXED) &&
+        !(fcntl((int)fd, F_GETFL) & O_DIRECT) && (waiting = malloc(sizeof(hv_io_run) * (size_t)nruns))) {
+        int64_t left = 0, in_a_row = 0;
+        jb.nowait = 1;
+        for (int64_t k = 0; k < nruns && !jb.err; ++k) {
+            const int64_t rc = in_a_row < HV_IO_NOWAIT_GIVE_UP ? io_do_run(&jb, &runs[k], &scratch, &cap) : -EAGAIN;
+            if (rc == -EAGAIN || rc == -EOPNOTSUPP) {
+                waiting[left++] = runs[k];
+                ++in_a_row;
+                if (rc == -EOPNOTSUPP) {
+                    __atomic_store_n(&io_nowait_refused, 1, __ATOMIC_RELAXED);
+                    in_a_row = HV_IO_NOWAIT_GIVE_UP;
+                }
+            } else if (rc) {
+                io_fail(&jb, rc);
+            } else {
+                in_a_row = 0;
+            }
+        }
+        jb.nowait = 0;
+        jb.runs = waiting;
+        jb.nruns = jb.err ? 0 : left;
+    }
     int64_t nt = threads < 1 ? 1 : threads;
     if (nt > jb.nruns) nt = jb.nruns;
     if (nt > HV_IO_MAX_THREADS) nt = HV_IO_MAX_THREADS;
-    jb.helpers_max = nt - 1;
+    jb.helpers_max = nt > 1 ? nt - 1 : 0;
     if (jb.helpers_max > 0) io_pool_enter(&jb);
-    int64_t cap = HV_IO_SCRATCH;
-    char *scratch = io_scratch_new(cap);
     if (scratch) /* the calling thread works too */
         io_work_on(&jb, &scratch, &cap);
     else if (!jb.helpers_max)
         io_fail(&jb, -ENOMEM);
     if (jb.helpers_max > 0) io_pool_leave(&jb);
     io_scratch_free(scratch, cap);
+    free(waiting);
     if (!jb.err && __atomic_load_n(&jb.next, __ATOMIC_RELAXED) < jb.nruns) /* no thread could take them */
         jb.err = -ENOMEM;
     int64_t rc = jb.err;
@@ -795,13 +841,13 @@ static int64_t io_batch(int64_t fd, int64_t base, int64_t item_bytes, const int6
                                                        SYNC_FILE_RANGE_WAIT_AFTER) < 0)
             rc = -errno;
         else
-            for (int64_t k = 0; k < jb.nruns;) { /* the runs written, adjacent ones as one range */
+            for (int64_t k = 0; k < nruns;) { /* the runs written, adjacent ones as one range */
                 int64_t a = runs[k].lo, b = runs[k].hi;
-                for (++k; k < jb.nruns && runs[k].lo <= b; ++k) b = runs[k].hi > b ? runs[k].hi : b;
+                for (++k; k < nruns && runs[k].lo <= b; ++k) b = runs[k].hi > b ? runs[k].hi : b;
                 posix_fadvise((int)fd, a, b - a, POSIX_FADV_DONTNEED);
             }
     }
-    if (stats) { stats[0] = jb.nruns; stats[1] = jb.bytes; stats[2] = jb.calls; }
+    if (stats) { stats[0] = nruns; stats[1] = jb.bytes; stats[2] = jb.calls; }
     free(runs);
     return rc;
 }

@@ -109,6 +109,32 @@ def _threads_now() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _drop_pages(fd: int, start: int = 0, length: int = 0) -> None:
+    """The file's pages out of the page cache (written first): reads of them wait on the device."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+
+
+@pytest.mark.parametrize("item", [208, 4096])
+def test_runs_the_page_cache_holds_and_runs_it_lacks_in_one_batch(f, item):
+    """The calling thread reads the runs whose pages are cached (RWF_NOWAIT) and the pool the
+    rest: a batch over a file half dropped from the page cache reads the file's bytes, and so
+    does a write's read-modify-write of pages cached or not."""
+    fd, path, data = f
+    n_items = data.size // item
+    _drop_pages(fd, 0, data.size // 2)  # the first half must be read from the device
+    pos = np.unique(np.random.default_rng(item).integers(0, n_items, 900))
+    out = np.empty(pos.size * item, dtype=np.uint8)
+    diskio.read(fd, path, 0, item, pos, out, 32)
+    np.testing.assert_array_equal(out, data[(pos[:, None] * item + np.arange(item)).ravel()])
+    _drop_pages(fd, data.size // 3, data.size // 3)
+    rows = np.random.default_rng(1).integers(0, 255, (pos.size, item), dtype=np.uint8)
+    diskio.write(fd, path, 0, item, pos, rows, 32, False)
+    model = data.copy()
+    model[(pos[:, None] * item + np.arange(item)).ravel()] = rows.ravel()
+    np.testing.assert_array_equal(np.frombuffer(open(path, "rb").read(), dtype=np.uint8), model)
+
+
 def test_batches_of_several_threads_share_one_kept_pool(f):
     """The pool's threads are started once and kept: batches from several Python threads at
     once (the prefetch thread's warm beside the training thread's pull and write-back) each get
@@ -118,7 +144,8 @@ def test_batches_of_several_threads_share_one_kept_pool(f):
     fd, path, data = f
     item, n_items = 208, data.size // 208
     out = np.empty(64 * item, dtype=np.uint8)
-    diskio.read(fd, path, 0, item, np.arange(0, 64 * 40, 40), out, 32)  # the pool started
+    _drop_pages(fd)
+    diskio.read(fd, path, 0, item, np.arange(0, 64 * 40, 40), out, 32)  # the pool started (no page cached)
     before = _threads_now()
     assert before >= 32, "the batch's 31 helpers did not stay"  # and the main thread
     errors = []
@@ -126,7 +153,9 @@ def test_batches_of_several_threads_share_one_kept_pool(f):
     def reader(seed: int) -> None:
         rng = np.random.default_rng(seed)
         try:
-            for _ in range(40):
+            for i in range(40):
+                if i % 4 == 0:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # some runs for the pool
                 pos = np.unique(rng.integers(0, n_items, 300))
                 got = np.empty(pos.size * item, dtype=np.uint8)
                 diskio.read(fd, path, 0, item, pos, got, 1 + seed * 5)
@@ -149,15 +178,41 @@ def test_a_forked_child_reads_with_a_pool_of_its_own(f):
     fd, path, data = f
     pos = np.arange(0, 5000, 7)
     out = np.empty(pos.size * 16, dtype=np.uint8)
+    _drop_pages(fd)
     diskio.read(fd, path, 0, 16, pos, out, 32)  # the parent's pool started
     want = data[(pos[:, None] * 16 + np.arange(16)).ravel()]
     child = os.fork()
     if child == 0:  # the parent's pool threads do not exist here
         try:
             got = np.empty_like(out)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read by the child's own pool
             diskio.read(fd, path, 0, 16, pos, got, 32)
             os._exit(0 if np.array_equal(got, want) else 3)
         except BaseException:
             os._exit(4)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_batch_the_page_cache_holds_is_read_without_the_pool(f):
+    """A table the page cache holds: the calling thread reads every run itself, no pool thread
+    started (a fresh process, whose pool no earlier batch started)."""
+    import json
+    import subprocess
+    import sys
+
+    fd, path, data = f
+    os.pread(fd, data.size, 0)  # every page cached
+    child = "\n".join([
+        "import json, os, sys, numpy as np",
+        "from hvctr.kernels import diskio",
+        "fd = os.open(sys.argv[1], os.O_RDONLY)",
+        "before = len(os.listdir('/proc/self/task'))",
+        "pos = np.arange(0, 10000, 3)",
+        "out = np.empty(pos.size * 208, dtype=np.uint8)",
+        "diskio.read(fd, sys.argv[1], 0, 208, pos, out, 32)",
+        "print(json.dumps([before, len(os.listdir('/proc/self/task')), out[:8].tolist()]))"])
+    out = subprocess.run([sys.executable, "-c", child, path], capture_output=True, text=True, check=True).stdout
+    before, after, head = json.loads(out)
+    assert after == before, f"threads before / after the batch: {before} / {after}"
+    assert head == data[:8].tolist()
