@@ -8,8 +8,10 @@ then fills a memory cgroup with pages nobody asked for). Here a batch of items g
 - ``read(fd, base, item_bytes, pos, out)``: item i of ``out`` is read from ``base + pos[i] *
   item_bytes``; items in the same or adjacent 4 KiB pages share one pread of their page-aligned
   span; ``threads`` threads keep that many reads in flight: the calling thread and threads of
-  a pool started once and kept (each with 264 KiB of scratch; up to 255 of them, shared by the
-  batches of all a process's threads).
+  a pool started once and kept (each keeping 64 KiB of scratch; up to 255 of them, shared by the
+  batches of all a process's threads). The calling thread first does the reads the page cache
+  can answer (``RWF_NOWAIT``; not through an ``O_DIRECT`` descriptor) and hands the pool only
+  those that would wait on the device.
 - ``write(..., data)``: whole pages, read-modify-write by the pool (the kernel never reads a
   partly written page inside a write, where buffered writes to one file serialise); with
   ``behind``, the written span is then flushed to the device and dropped from the page cache,
