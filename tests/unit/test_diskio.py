@@ -212,7 +212,9 @@ def test_a_batch_the_page_cache_holds_is_read_without_the_pool(f):
         "out = np.empty(pos.size * 208, dtype=np.uint8)",
         "diskio.read(fd, sys.argv[1], 0, 208, pos, out, 32)",
         "print(json.dumps([before, len(os.listdir('/proc/self/task')), out[:8].tolist()]))"])
-    out = subprocess.run([sys.executable, "-c", child, path], capture_output=True, text=True, check=True).stdout
+    # cwd: the file's folder, not a source tree whose hvctr (its kernels maybe not built there) would come first
+    out = subprocess.run([sys.executable, "-c", child, path], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(path)).stdout
     before, after, head = json.loads(out)
     assert after == before, f"threads before / after the batch: {before} / {after}"
     assert head == data[:8].tolist()
