@@ -376,19 +376,15 @@ class EmbeddingStore:
                     if miss.size == keys.shape[0]:  # every key missed (a small cache): into out itself
                         pos = self._read_misses(keys, count, out, tag)
                     else:
-                        rows, pos[miss] = self._read_misses(keys[miss], count, tag=tag)
+                        rows = np.empty((miss.size, self.layout.width), dtype=np.float32)
+                        pos[miss] = self._read_misses(keys[miss], count, rows, tag)
                         out[miss] = rows
             return out, RowPositions(pos, self._epoch)
 
-    def _read_misses(self, keys: np.ndarray, count: bool, out: np.ndarray | None = None,
-                     tag: Tag | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-        """The rows of keys the cache does not hold, into ``out``, and their shard positions
-        (-1: not stored); where ``out`` is None, (a new array of the rows, the positions).
-        A window's rows are copied as few times as the order of the shard asks: every
-        whole-window copy is 65 MB at 327k rows of D = 16 (issue 26)."""
-        given = out is not None
-        if out is None:
-            out = np.empty((keys.shape[0], self.layout.width), dtype=np.float32)
+    def _read_misses(self, keys: np.ndarray, count: bool, out: np.ndarray, tag: Tag | None = None) -> np.ndarray:
+        """The rows of keys the cache does not hold, into ``out``; returns their shard positions
+        (-1: not stored). A window's rows are copied as few times as the order of the shard
+        asks: every whole-window copy is 65 MB at 327k rows of D = 16 (issue 26)."""
         with self._timed(shard=True):
             pos = self.shard.lookup(keys)
             found = np.flatnonzero(pos >= 0)
@@ -417,7 +413,7 @@ class EmbeddingStore:
             rest = new[n_in:]
             self._write_shard_at(pos, keys, out, rest)
             self.counters["writethrough_rows"] += rest.size
-        return pos if given else (out, pos)
+        return pos
 
     def _admit(self, keys: np.ndarray, count: bool) -> np.ndarray:
         """Which new keys may be stored now."""
