@@ -19,6 +19,13 @@ then fills a memory cgroup with pages nobody asked for). Here a batch of items g
   pages; reclaim would wait for their write-back: the job stalls).
 - ``write_behind(fd, offset, length)``: the same flush-and-drop for a sequential write (the
   checkpoint's rank files).
+- ``FileMap``: the file mapped shared, given to ``read`` and ``write``: the calling thread first
+  copies every run whose pages the page cache holds (``mincore``) straight between the mapping
+  and the caller's items, no system call and no whole page copied for them (a 208-byte row costs
+  208 bytes, where a pread copies its page and a write's read-modify-write two), and hands the
+  pool only the rest. Not with ``behind`` (pages flushed and dropped: a memory cgroup's case),
+  where a mapping would keep pages the drop cannot take. A page that leaves the page cache
+  between the check and the copy is faulted in (one read at depth 1: right, and rare).
 
 Positions are sorted and unique (callers sort). Every failure is an OSError naming the file.
 Where the C kernels are not loaded (HVCTR_NATIVE=0), ``available()`` is False and the shard keeps
@@ -62,9 +69,31 @@ class IOStats:
         return {name: getattr(self, name) for name in self.__slots__}
 
 
+class FileMap:
+    """The first ``length`` bytes of ``fd`` mapped shared (``writable``: read and write), for
+    ``read`` and ``write``; ``close()`` unmaps it (before the descriptor is closed, and before a
+    page-cache drop, which leaves mapped pages where they are)."""
+
+    def __init__(self, fd: int, path: str, length: int, writable: bool) -> None:
+        self.path, self.length = path, int(length)
+        addr = native.lib().hv_io_map(fd, self.length, int(writable))
+        _check(addr, f"mapping {self.length} bytes", path)
+        self.addr = int(addr)
+
+    def close(self) -> None:
+        if self.addr:
+            addr, self.addr = self.addr, 0
+            _check(native.lib().hv_io_unmap(addr, self.length), f"unmapping {self.length} bytes", self.path)
+
+
+def _map_args(mapped: FileMap | None) -> tuple[int, int]:
+    return (mapped.addr, mapped.length) if mapped is not None and mapped.addr else (0, 0)
+
+
 def read(fd: int, path: str, base: int, item_bytes: int, pos: np.ndarray, out: np.ndarray, threads: int,
-         stats: IOStats | None = None) -> None:
-    """Fills ``out`` (C-contiguous, ``len(pos) * item_bytes`` bytes) with the items at ``pos``."""
+         stats: IOStats | None = None, mapped: FileMap | None = None) -> None:
+    """Fills ``out`` (C-contiguous, ``len(pos) * item_bytes`` bytes) with the items at ``pos``
+    (through ``mapped`` where the page cache holds them)."""
     pos = np.ascontiguousarray(pos, dtype=np.int64)
     if pos.shape[0] == 0:
         return
@@ -72,7 +101,7 @@ def read(fd: int, path: str, base: int, item_bytes: int, pos: np.ndarray, out: n
         raise ValueError(f"read: a buffer of {out.nbytes} bytes for {pos.shape[0]} items of {item_bytes}")
     st = np.zeros(3, dtype=np.int64)
     rc = native.lib().hv_io_read(fd, base, item_bytes, pos.ctypes.data, pos.shape[0], out.ctypes.data, threads, 0,
-                                 st.ctypes.data)
+                                 st.ctypes.data, *_map_args(mapped))
     if rc == -errno.EIO:
         raise OSError(errno.EIO, f"a read past the end of the file (position {int(pos[-1])} of items of "
                                  f"{item_bytes} bytes from offset {base}): the file is truncated", path)
@@ -84,8 +113,9 @@ def read(fd: int, path: str, base: int, item_bytes: int, pos: np.ndarray, out: n
 
 
 def write(fd: int, path: str, base: int, item_bytes: int, pos: np.ndarray, data: np.ndarray, threads: int,
-          behind: bool, stats: IOStats | None = None) -> None:
-    """Writes item i of ``data`` at ``base + pos[i] * item_bytes``; ``behind``: flush and drop after."""
+          behind: bool, stats: IOStats | None = None, mapped: FileMap | None = None) -> None:
+    """Writes item i of ``data`` at ``base + pos[i] * item_bytes``; ``behind``: flush and drop after
+    (``mapped`` is then not used)."""
     pos = np.ascontiguousarray(pos, dtype=np.int64)
     if pos.shape[0] == 0:
         return
@@ -94,7 +124,7 @@ def write(fd: int, path: str, base: int, item_bytes: int, pos: np.ndarray, data:
         raise ValueError(f"write: {data.nbytes} bytes for {pos.shape[0]} items of {item_bytes}")
     st = np.zeros(3, dtype=np.int64)
     rc = native.lib().hv_io_write(fd, base, item_bytes, pos.ctypes.data, pos.shape[0], data.ctypes.data, threads,
-                                  _WRITE_BEHIND if behind else 0, st.ctypes.data)
+                                  _WRITE_BEHIND if behind else 0, st.ctypes.data, *_map_args(mapped))
     _check(rc, f"writing {pos.shape[0]} items of {item_bytes} bytes", path)
     if stats is not None:
         stats.write_calls += int(st[2])

@@ -408,10 +408,13 @@ class Shard:
         self.filtered_lookups = 0  # keys the key filter knew absent: no index read
         self._index = self._index_keys = self._rows = self._meta = None
         self.index_by_map = False
+        self._map: diskio.FileMap | None = None
         if self.io == "pread":
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: reads are rows, not streams
             if write_behind:
                 self._read_fd = _open_direct(self.path, self._fd)
+            else:  # the pages stay: those the page cache holds are copied through a mapping (diskio)
+                self._map = diskio.FileMap(self._fd, self.path, os.fstat(self._fd).st_size, writable)
         else:
             # Index entries go through the map where overwriting allocates nothing (module docstring).
             self.index_by_map = writable and file_system_type(self.path) not in _COPY_ON_WRITE_FS
@@ -689,7 +692,7 @@ class Shard:
         """Index blocks (sorted unique numbers) as [n, SLOTS_PER_BLOCK] entries, read by the pool."""
         out = np.empty((blocks.shape[0], SLOTS_PER_BLOCK), dtype=INDEX_DTYPE)
         diskio.read(self._read_fd, self.path, self._off["index"], BLOCK_BYTES, blocks, out, self.io_threads,
-                    self.io_stats)
+                    self.io_stats, self._map)
         self.index_blocks_read += blocks.shape[0]
         return out
 
@@ -731,7 +734,7 @@ class Shard:
                     changed = np.flatnonzero(dirty)
                     if changed.size:
                         diskio.write(self._fd, self.path, self._off["index"], BLOCK_BYTES, blocks[changed],
-                                       data[changed], self.io_threads, self.write_behind, self.io_stats)
+                                     data[changed], self.io_threads, self.write_behind, self.io_stats, self._map)
                         self.bytes_written += int(np.count_nonzero(nt < 0)) * INDEX_DTYPE.itemsize
                 if left < 0:
                     raise AssertionError(f"shard {self.path}: the index has no free slot for a key")  # load is bounded
@@ -762,11 +765,11 @@ class Shard:
     def _io_read(self, dataset: str, item_bytes: int, pos: np.ndarray, out: np.ndarray,
                  stats: diskio.IOStats | None = None) -> None:
         diskio.read(self._read_fd, self.path, self._off[dataset], item_bytes, pos, out, self.io_threads,
-                    self.io_stats if stats is None else stats)
+                    self.io_stats if stats is None else stats, self._map)
 
     def _io_write(self, dataset: str, item_bytes: int, pos: np.ndarray, data: np.ndarray) -> int:
         diskio.write(self._fd, self.path, self._off[dataset], item_bytes, pos, data, self.io_threads,
-                     self.write_behind, self.io_stats)
+                     self.write_behind, self.io_stats, self._map)
         return pos.shape[0] * item_bytes
 
     def read_rows(self, pos: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -881,9 +884,14 @@ class Shard:
         pwrite_all(self._fd, memoryview(state).cast("B"), self._off["state"])
 
     def drop_page_cache(self) -> None:
-        """Asks the kernel to drop this file's clean pages (for cold-read benchmarks)."""
+        """Asks the kernel to drop this file's clean pages (for cold-read benchmarks); the mapping
+        is made anew around it (a drop leaves the pages a mapping holds)."""
         os.fsync(self._fd) if self.writable else None
+        if self._map is not None:
+            self._map.close()
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if self._map is not None:
+            self._map = diskio.FileMap(self._fd, self.path, self._map.length, self.writable)
 
     def sync(self) -> None:
         if self.writable:
@@ -905,6 +913,9 @@ class Shard:
             self.position_log = None
         # Dropping the arrays unmaps the file (numpy holds the mmap's buffer until then).
         self._index = self._index_keys = self._rows = self._meta = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         if self._read_fd != self._fd:
             os.close(self._read_fd)
         os.close(self._fd)

@@ -218,3 +218,58 @@ def test_a_batch_the_page_cache_holds_is_read_without_the_pool(f):
     before, after, head = json.loads(out)
     assert after == before, f"threads before / after the batch: {before} / {after}"
     assert head == data[:8].tolist()
+
+
+@pytest.mark.parametrize("item", [208, 4096])
+def test_a_mapped_batch_copies_the_cached_items_alone_and_the_pool_reads_the_rest(f, item):
+    """Given the file's mapping, the calling thread copies the items of every run the page cache
+    holds straight through it: a batch over a cached file is one mincore call and exactly its
+    items' bytes (a pread would copy each 4 KiB page, a write read-modify-write it); over a file
+    half dropped from the page cache, reads and writes are still the file's bytes exactly, the
+    dropped runs read and written by the pool; with write-behind the mapping is not used."""
+    fd, path, data = f
+    n_items = data.size // item
+    pos = np.unique(np.random.default_rng(item).integers(0, n_items, 600))
+    want = data[(pos[:, None] * item + np.arange(item)).ravel()]
+    os.pread(fd, data.size, 0)  # every page cached
+    mapped = diskio.FileMap(fd, path, data.size, writable=True)
+    try:
+        out = np.empty(pos.size * item, dtype=np.uint8)
+        stats = diskio.IOStats()
+        diskio.read(fd, path, 0, item, pos, out, 32, stats, mapped)
+        np.testing.assert_array_equal(out, want)
+        assert (stats.read_calls, stats.read_bytes) == (1, pos.size * item)
+        rows = np.random.default_rng(2).integers(0, 255, (pos.size, item), dtype=np.uint8)
+        stats = diskio.IOStats()
+        diskio.write(fd, path, 0, item, pos, rows, 32, False, stats, mapped)
+        assert (stats.write_calls, stats.write_bytes) == (1, pos.size * item)
+        model = data.copy()
+        model[(pos[:, None] * item + np.arange(item)).ravel()] = rows.ravel()
+        np.testing.assert_array_equal(np.frombuffer(open(path, "rb").read(), dtype=np.uint8), model)
+    finally:
+        mapped.close()
+    _cache_only(fd, data.size // 2, data.size)  # the first half must come from the device
+    mapped = diskio.FileMap(fd, path, data.size, writable=True)
+    try:
+        out = np.empty(pos.size * item, dtype=np.uint8)
+        stats = diskio.IOStats()
+        diskio.read(fd, path, 0, item, pos, out, 32, stats, mapped)
+        np.testing.assert_array_equal(out, model[(pos[:, None] * item + np.arange(item)).ravel()])
+        assert stats.read_calls > 10  # one mincore, then the pool's preads of the dropped half's runs
+        for behind in (False, True):
+            _cache_only(fd, 0, data.size // 3)
+            rows = np.random.default_rng(3 + behind).integers(0, 255, (pos.size, item), dtype=np.uint8)
+            diskio.write(fd, path, 0, item, pos, rows, 32, behind, None, mapped)
+            model[(pos[:, None] * item + np.arange(item)).ravel()] = rows.ravel()
+            assert os.fstat(fd).st_size == data.size
+            np.testing.assert_array_equal(np.frombuffer(open(path, "rb").read(), dtype=np.uint8), model)
+    finally:
+        mapped.close()
+    mapped.close()  # twice: nothing
+
+
+def _cache_only(fd: int, start: int, stop: int) -> None:
+    """Only [start, stop) of the file in the page cache. (A ranged drop can leave pages: the page
+    cache holds large folios, and a drop takes only the folios wholly inside its range.)"""
+    _drop_pages(fd)
+    os.pread(fd, stop - start, start)
