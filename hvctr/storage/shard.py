@@ -413,7 +413,10 @@ class Shard:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: reads are rows, not streams
             if write_behind:
                 self._read_fd = _open_direct(self.path, self._fd)
-            else:  # the pages stay: those the page cache holds are copied through a mapping (diskio)
+            elif writable:
+                # The pages stay: those the page cache holds are copied through a mapping (diskio).
+                # Not read-only: mincore reports every page of a file the caller may not write as
+                # held (the kernel hides its page cache), and a miss would then fault at depth 1.
                 self._map = diskio.FileMap(self._fd, self.path, os.fstat(self._fd).st_size, writable)
         else:
             # Index entries go through the map where overwriting allocates nothing (module docstring).

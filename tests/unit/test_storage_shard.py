@@ -359,3 +359,40 @@ def test_waiting_index_entries_give_way_to_a_small_cache():
     filter_bytes = (cap * 10 + 7) // 8
     recent = shard_mod.recent_positions_for(4 << 20) * shard_mod.RECENT_POSITION_BYTES
     assert shard_mod.memory_bytes(cap, 0.7, 4 << 20) == filter_bytes + small * shard_mod.PENDING_ENTRY_BYTES + recent
+
+
+@pytest.mark.parametrize("write_behind", [False, True])
+def test_a_writer_without_write_behind_reads_and_writes_through_its_mapping(tmp_path, io_path, write_behind):
+    """pread path, pages kept (no write-behind), opened for writing: the shard is mapped and the
+    rows the page cache holds are copied through the mapping (one mincore call a batch, no page
+    copied whole); the same rows and index as through the pool, before and after a page-cache
+    drop (which maps the file anew); read-only and write-behind shards are not mapped."""
+    if io_path != "pread" or not native.enabled():
+        pytest.skip("the pread path's mapping")
+    path = tmp_path / "s.h5"
+    shard = Shard.create(path, dim=4, capacity=20_000, world_size=2, rank=1, bucket_owner=default_bucket_owner(2),
+                         seed=11, init_scale=0.01, max_load_factor=0.8, io="pread", write_behind=write_behind)
+    assert (shard._map is not None) == (not write_behind)
+    keys = _keys(15_000)
+    pos = shard.insert(keys)
+    rows = np.random.default_rng(1).standard_normal((keys.size, RowLayout(4).width)).astype(np.float32)
+    shard.write_rows(pos, keys, rows)
+    some = np.sort(np.random.default_rng(2).choice(keys.size, 3000, replace=False))
+    rows[some] += 1.0
+    before = shard.io_stats.as_dict()
+    shard.write_rows(pos[some], keys[some], rows[some])  # scattered: 3000 of 15,000 rows of 80 bytes
+    got = shard.read_rows(pos[some])
+    after = shard.io_stats.as_dict()
+    np.testing.assert_array_equal(got, rows[some])
+    if not write_behind:  # exactly the rows' and their meta's bytes, one mincore a batch
+        meta_bytes = shard_mod.META_DTYPE.itemsize
+        assert after["write_bytes"] - before["write_bytes"] == some.size * (rows.itemsize * rows.shape[1] + meta_bytes)
+        assert (after["write_calls"] - before["write_calls"], after["read_calls"] - before["read_calls"]) == (2, 1)
+    shard.drop_page_cache()
+    np.testing.assert_array_equal(shard.read_rows(pos), rows)
+    np.testing.assert_array_equal(shard.lookup(keys), pos)
+    shard.close()
+    reader = Shard.open(path, writable=False, io="pread", write_behind=False)
+    assert reader._map is None
+    np.testing.assert_array_equal(reader.read_rows(pos), rows)
+    reader.close()
