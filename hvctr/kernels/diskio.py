@@ -86,6 +86,18 @@ class FileMap:
             _check(native.lib().hv_io_unmap(addr, self.length), f"unmapping {self.length} bytes", self.path)
 
 
+def held(mapped: FileMap, base: int, item_bytes: int, pos: np.ndarray) -> np.ndarray:
+    """Whether every page of each item (at ``base + pos[i] * item_bytes``, ``pos`` sorted) is in
+    the page cache and inside the mapping: where a caller may look at the item in place."""
+    pos = np.ascontiguousarray(pos, dtype=np.int64)
+    out = np.zeros(pos.shape[0], dtype=np.int8)
+    if pos.shape[0]:
+        rc = native.lib().hv_io_held(mapped.addr, mapped.length, base, item_bytes, pos.ctypes.data, pos.shape[0],
+                                     out.ctypes.data)
+        _check(rc, f"asking the page cache for {pos.shape[0]} items of {item_bytes} bytes", mapped.path)
+    return out.view(bool)
+
+
 def _map_args(mapped: FileMap | None) -> tuple[int, int]:
     return (mapped.addr, mapped.length) if mapped is not None and mapped.addr else (0, 0)
 

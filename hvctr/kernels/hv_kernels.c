@@ -920,6 +920,35 @@ int64_t hv_io_write(int64_t fd, int64_t base, int64_t item_bytes, const int64_t 
     return io_batch(fd, base, item_bytes, pos, n, (char *)data, threads, flags, 1, stats, map, map_len);
 }
 
+/* out[i] = 1 where every page of item i (at base + pos[i] * item_bytes, pos sorted) is in the page
+   cache and inside the mapping, else 0: the mapped pass's mincore windows. The mincore calls made,
+   or -errno. */
+int64_t hv_io_held(int64_t map, int64_t map_len, int64_t base, int64_t item_bytes, const int64_t *pos, int64_t n,
+                   int8_t *out)
+{
+    unsigned char vec[HV_IO_MINCORE_PAGES];
+    const int64_t span_max = HV_IO_MINCORE_PAGES * HV_IO_PAGE, map_end = io_ceil(map_len);
+    char *m = (char *)(intptr_t)map;
+    int64_t wlo = 0, whi = 0, calls = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = base + pos[i] * item_bytes, lo = io_floor(at), hi = io_ceil(at + item_bytes);
+        int held = pos[i] >= 0 && at + item_bytes <= map_len && hi - lo <= span_max;
+        if (held && (lo < wlo || hi > whi)) {
+            int64_t end = hi;
+            for (int64_t j = i + 1; j < n && io_ceil(base + pos[j] * item_bytes + item_bytes) - lo <= span_max; ++j)
+                end = io_ceil(base + pos[j] * item_bytes + item_bytes);
+            if (end > map_end) end = map_end;
+            ++calls;
+            if (mincore(m + lo, (size_t)(end - lo), vec)) return -errno;
+            wlo = lo;
+            whi = end;
+        }
+        for (int64_t p = lo; held && p < hi; p += HV_IO_PAGE) held = vec[(p - wlo) / HV_IO_PAGE] & 1;
+        out[i] = (int8_t)held;
+    }
+    return calls;
+}
+
 /* fd's first len bytes mapped shared (writable: read and write) for hv_io_read / hv_io_write:
    the address, or -errno. No readahead on a fault (MADV_RANDOM): a fault is one page. */
 int64_t hv_io_map(int64_t fd, int64_t len, int64_t writable)
@@ -960,7 +989,9 @@ int64_t hv_io_write_behind(int64_t fd, int64_t offset, int64_t len)
    block and cur[i] = the slot, to be called again with it loaded. need[i] = -1 when done.
    hv_index_claim: the same walk for keys known absent, in batch order: the first empty slot
    takes key -> values[i] (in `blocks`; dirty[j] = 1 for each block j written), out[i] = slot.
-   Both return how many keys still need a block (-1 - i: key i walked the whole table). */
+   Both return how many keys still need a block (-1 - i: key i walked the whole table).
+   addr (NULL: the blocks lie end to end in `blocks`): block j's address, for blocks probed where
+   they are (in the shard's mapping, where the page cache holds them) beside blocks read. */
 
 static int64_t io_block_of(const int64_t *ids, int64_t nb, int64_t b)
 {
@@ -972,8 +1003,13 @@ static int64_t io_block_of(const int64_t *ids, int64_t nb, int64_t b)
     return lo < nb && ids[lo] == b ? lo : -1;
 }
 
+static inline hv_slot *io_block_at(hv_slot *blocks, const int64_t *addr, int64_t j, int64_t spb)
+{
+    return addr ? (hv_slot *)(intptr_t)addr[j] : blocks + j * spb;
+}
+
 int64_t hv_index_find(const int64_t *ids, int64_t nb, const hv_slot *blocks, int64_t spb, int64_t nslots,
-                      const uint64_t *keys, int64_t n, int64_t *cur, int64_t *out, int64_t *need)
+                      const uint64_t *keys, int64_t n, int64_t *cur, int64_t *out, int64_t *need, const int64_t *addr)
 {
     int64_t pending = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -981,7 +1017,7 @@ int64_t hv_index_find(const int64_t *ids, int64_t nb, const hv_slot *blocks, int
         need[i] = -1;
         for (;;) {
             if (j < 0) { need[i] = s / spb; cur[i] = s; ++pending; break; }
-            const hv_slot *t = blocks + j * spb + (s % spb);
+            const hv_slot *t = io_block_at((hv_slot *)blocks, addr, j, spb) + (s % spb);
             if (t->key == keys[i]) { out[i] = t->value; break; }
             if (t->key == HV_EMPTY_KEY) { out[i] = -1; break; }
             if (++probed == nslots) return -1 - i;
@@ -994,7 +1030,7 @@ int64_t hv_index_find(const int64_t *ids, int64_t nb, const hv_slot *blocks, int
 
 int64_t hv_index_claim(const int64_t *ids, int64_t nb, hv_slot *blocks, int64_t spb, int64_t nslots,
                        const uint64_t *keys, const int64_t *values, int64_t n, int64_t *cur, int64_t *out,
-                       int64_t *need, int8_t *dirty)
+                       int64_t *need, int8_t *dirty, const int64_t *addr)
 {
     int64_t pending = 0;
     for (int64_t i = 0; i < n; ++i) {
@@ -1002,7 +1038,7 @@ int64_t hv_index_claim(const int64_t *ids, int64_t nb, hv_slot *blocks, int64_t 
         need[i] = -1;
         for (;;) {
             if (j < 0) { need[i] = s / spb; cur[i] = s; ++pending; break; }
-            hv_slot *t = blocks + j * spb + (s % spb);
+            hv_slot *t = io_block_at(blocks, addr, j, spb) + (s % spb);
             if (t->key == HV_EMPTY_KEY) {
                 t->key = keys[i];
                 t->value = values[i];

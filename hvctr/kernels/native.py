@@ -103,8 +103,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "hv_io_map": ([i64, i64, i64], i64),
         "hv_io_unmap": ([i64, i64], i64),
         "hv_io_write_behind": ([i64, i64, i64], i64),
-        "hv_index_find": ([ptr, i64, ptr, i64, i64, ptr, i64, ptr, ptr, ptr], i64),
-        "hv_index_claim": ([ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr], i64),
+        "hv_index_find": ([ptr, i64, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr], i64),
+        "hv_index_claim": ([ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr], i64),
+        "hv_io_held": ([i64, i64, i64, i64, ptr, i64, ptr], i64),
     }
     for name, (argtypes, restype) in sigs.items():
         f = getattr(lib, name)

@@ -691,6 +691,20 @@ class Shard:
         self.n_rows += n
         return pos
 
+    def _index_blocks(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Index blocks (sorted unique numbers) for the probes: (which of them were read, the
+        blocks read as [n_read, SLOTS_PER_BLOCK] entries, each block's address or None). With the
+        file mapped, the blocks the page cache holds are probed (and claimed) where they are, in
+        the mapping, and only the others are read: a block copied is 4 KiB for one 16-byte entry."""
+        if self._map is None:
+            return np.ones(blocks.shape[0], dtype=bool), self._read_index_blocks(blocks), None
+        read = ~diskio.held(self._map, self._off["index"], BLOCK_BYTES, blocks)
+        data = self._read_index_blocks(blocks[read])
+        self.index_blocks_read += blocks.shape[0] - data.shape[0]  # looked at, if not copied
+        addr = self._map.addr + self._off["index"] + blocks * BLOCK_BYTES
+        addr[read] = data.ctypes.data + np.arange(data.shape[0], dtype=np.int64) * BLOCK_BYTES
+        return read, data, addr
+
     def _read_index_blocks(self, blocks: np.ndarray) -> np.ndarray:
         """Index blocks (sorted unique numbers) as [n, SLOTS_PER_BLOCK] entries, read by the pool."""
         out = np.empty((blocks.shape[0], SLOTS_PER_BLOCK), dtype=INDEX_DTYPE)
@@ -721,24 +735,25 @@ class Shard:
             todo = np.arange(idx.shape[0])
             while todo.size:
                 blocks = np.unique(need[todo])
-                data = self._read_index_blocks(blocks)
+                read, data, addr = self._index_blocks(blocks)
                 kt, ct = np.ascontiguousarray(k[todo]), np.ascontiguousarray(cur[todo])
                 rt, nt = np.empty(todo.shape[0], dtype=np.int64), np.empty(todo.shape[0], dtype=np.int64)
+                at = 0 if addr is None else addr.ctypes.data
                 if vals is None:
                     left = lib.hv_index_find(blocks.ctypes.data, blocks.shape[0], data.ctypes.data, SLOTS_PER_BLOCK,
                                              self.num_slots, kt.ctypes.data, kt.shape[0], ct.ctypes.data,
-                                             rt.ctypes.data, nt.ctypes.data)
+                                             rt.ctypes.data, nt.ctypes.data, at)
                 else:
                     vt = np.ascontiguousarray(vals[todo])
                     dirty = np.zeros(blocks.shape[0], dtype=np.int8)
                     left = lib.hv_index_claim(blocks.ctypes.data, blocks.shape[0], data.ctypes.data, SLOTS_PER_BLOCK,
                                               self.num_slots, kt.ctypes.data, vt.ctypes.data, kt.shape[0],
-                                              ct.ctypes.data, rt.ctypes.data, nt.ctypes.data, dirty.ctypes.data)
-                    changed = np.flatnonzero(dirty)
+                                              ct.ctypes.data, rt.ctypes.data, nt.ctypes.data, dirty.ctypes.data, at)
+                    changed = np.flatnonzero(dirty[read])  # the blocks claimed in the mapping are written already
                     if changed.size:
-                        diskio.write(self._fd, self.path, self._off["index"], BLOCK_BYTES, blocks[changed],
+                        diskio.write(self._fd, self.path, self._off["index"], BLOCK_BYTES, blocks[read][changed],
                                      data[changed], self.io_threads, self.write_behind, self.io_stats, self._map)
-                        self.bytes_written += int(np.count_nonzero(nt < 0)) * INDEX_DTYPE.itemsize
+                    self.bytes_written += int(np.count_nonzero(nt < 0)) * INDEX_DTYPE.itemsize
                 if left < 0:
                     raise AssertionError(f"shard {self.path}: the index has no free slot for a key")  # load is bounded
                 res[todo], cur[todo], need[todo] = rt, ct, nt

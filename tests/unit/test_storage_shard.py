@@ -363,10 +363,11 @@ def test_waiting_index_entries_give_way_to_a_small_cache():
 
 @pytest.mark.parametrize("write_behind", [False, True])
 def test_a_writer_without_write_behind_reads_and_writes_through_its_mapping(tmp_path, io_path, write_behind):
-    """pread path, pages kept (no write-behind), opened for writing: the shard is mapped and the
+    """pread path, pages kept (no write-behind), opened for writing: the shard is mapped, the
     rows the page cache holds are copied through the mapping (one mincore call a batch, no page
-    copied whole); the same rows and index as through the pool, before and after a page-cache
-    drop (which maps the file anew); read-only and write-behind shards are not mapped."""
+    copied whole) and the index blocks it holds are probed and claimed in place (none copied);
+    the same rows and index as through the pool, before and after a page-cache drop (which maps
+    the file anew) and for a reader; read-only and write-behind shards are not mapped."""
     if io_path != "pread" or not native.enabled():
         pytest.skip("the pread path's mapping")
     path = tmp_path / "s.h5"
@@ -388,6 +389,11 @@ def test_a_writer_without_write_behind_reads_and_writes_through_its_mapping(tmp_
         meta_bytes = shard_mod.META_DTYPE.itemsize
         assert after["write_bytes"] - before["write_bytes"] == some.size * (rows.itemsize * rows.shape[1] + meta_bytes)
         assert (after["write_calls"] - before["write_calls"], after["read_calls"] - before["read_calls"]) == (2, 1)
+    shard.flush_index()  # the entries waiting in memory claimed in the file's index blocks
+    before = shard.io_stats.as_dict()
+    np.testing.assert_array_equal(shard.lookup(keys), pos)
+    copied = shard.io_stats.as_dict()["read_bytes"] - before["read_bytes"]
+    assert copied == 0 if not write_behind else copied >= BLOCK_BYTES  # probed in the mapping: no block copied
     shard.drop_page_cache()
     np.testing.assert_array_equal(shard.read_rows(pos), rows)
     np.testing.assert_array_equal(shard.lookup(keys), pos)
@@ -395,4 +401,5 @@ def test_a_writer_without_write_behind_reads_and_writes_through_its_mapping(tmp_
     reader = Shard.open(path, writable=False, io="pread", write_behind=False)
     assert reader._map is None
     np.testing.assert_array_equal(reader.read_rows(pos), rows)
+    np.testing.assert_array_equal(reader.lookup(keys), pos)  # the index claimed through the mapping, read by pread
     reader.close()
