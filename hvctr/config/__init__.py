@@ -71,7 +71,7 @@ class CachePolicy(str, enum.Enum):
 
 
 class ShardIO(str, enum.Enum):
-    PREAD = "pread"  # a pool of threads reads many rows at once; nothing mapped, write-back flushed and dropped
+    PREAD = "pread"  # a pool of threads reads many rows at once; without write-behind the page cache's rows through a mapping
     MMAP = "mmap"  # the reference path: rows through np.memmap, one page fault at a time
 
 

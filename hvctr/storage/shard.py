@@ -24,12 +24,15 @@ file offsets (``dset.id.get_offset()``). Two paths, chosen by ``storage.shard_io
 
 - ``pread`` (the default): every read and write of rows, row_meta and index blocks goes through
   the C kernels' I/O pool (hvctr.kernels.diskio): a batch's items sorted, coalesced where they
-  share a page, many reads in flight, no readahead (POSIX_FADV_RANDOM), written pages flushed and
-  dropped behind the write. Nothing of the file is mapped: a table many times the memory the job
-  may use (a memory cgroup counts page cache) trains at the device's random-read rate, and its
-  page cache is clean and reclaimable. The index is probed over the blocks a batch needs, read by
-  the pool (``hv_index_find`` / ``hv_index_claim``): a probe run that crosses a block end reads
-  the next block in a second round.
+  share a page, many reads in flight, no readahead (POSIX_FADV_RANDOM), under write-behind written
+  pages flushed and dropped behind the write: a table many times the memory the job may use (a
+  memory cgroup counts page cache) trains at the device's random-read rate, and its page cache is
+  clean and reclaimable. The index is probed over the blocks a batch needs, read by the pool
+  (``hv_index_find`` / ``hv_index_claim``): a probe run that crosses a block end reads the next
+  block in a second round. Without write-behind (no memory limit: the pages stay) a writer also
+  maps the file, and the rows, meta and index blocks the page cache holds (mincore) are copied,
+  probed and claimed through the mapping, no system call and no page copied whole for them; not
+  on a copy-on-write file system (an overwrite there allocates: a full disk would be a SIGBUS).
 - ``mmap`` (the reference the tests compare against, and the path under HVCTR_NATIVE=0): rows
   read with np.memmap in sorted order (one page fault at a time), rows and row_meta written with
   os.pwrite (a write through mmap into a file on a full disk is a SIGBUS, not
@@ -413,10 +416,11 @@ class Shard:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: reads are rows, not streams
             if write_behind:
                 self._read_fd = _open_direct(self.path, self._fd)
-            elif writable:
+            elif writable and file_system_type(self.path) not in _COPY_ON_WRITE_FS:
                 # The pages stay: those the page cache holds are copied through a mapping (diskio).
                 # Not read-only: mincore reports every page of a file the caller may not write as
                 # held (the kernel hides its page cache), and a miss would then fault at depth 1.
+                # Not where an overwrite allocates (copy-on-write): a full disk would be a SIGBUS.
                 self._map = diskio.FileMap(self._fd, self.path, os.fstat(self._fd).st_size, writable)
         else:
             # Index entries go through the map where overwriting allocates nothing (module docstring).
