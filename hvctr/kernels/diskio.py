@@ -75,7 +75,7 @@ class FileMap:
     page-cache drop, which leaves mapped pages where they are)."""
 
     def __init__(self, fd: int, path: str, length: int, writable: bool) -> None:
-        self.path, self.length = path, int(length)
+        self.path, self.length, self.writable = path, int(length), bool(writable)
         addr = native.lib().hv_io_map(fd, self.length, int(writable))
         _check(addr, f"mapping {self.length} bytes", path)
         self.addr = int(addr)
@@ -98,8 +98,11 @@ def held(mapped: FileMap, base: int, item_bytes: int, pos: np.ndarray) -> np.nda
     return out.view(bool)
 
 
-def _map_args(mapped: FileMap | None) -> tuple[int, int]:
-    return (mapped.addr, mapped.length) if mapped is not None and mapped.addr else (0, 0)
+def _map_args(mapped: FileMap | None, write: bool = False) -> tuple[int, int]:
+    """The mapping for a batch: none where there is none, it is closed, or a write meets a
+    read-only mapping (the pool then writes)."""
+    usable = mapped is not None and mapped.addr and (mapped.writable or not write)
+    return (mapped.addr, mapped.length) if usable else (0, 0)
 
 
 def read(fd: int, path: str, base: int, item_bytes: int, pos: np.ndarray, out: np.ndarray, threads: int,
@@ -136,7 +139,7 @@ def write(fd: int, path: str, base: int, item_bytes: int, pos: np.ndarray, data:
         raise ValueError(f"write: {data.nbytes} bytes for {pos.shape[0]} items of {item_bytes}")
     st = np.zeros(3, dtype=np.int64)
     rc = native.lib().hv_io_write(fd, base, item_bytes, pos.ctypes.data, pos.shape[0], data.ctypes.data, threads,
-                                  _WRITE_BEHIND if behind else 0, st.ctypes.data, *_map_args(mapped))
+                                  _WRITE_BEHIND if behind else 0, st.ctypes.data, *_map_args(mapped, write=True))
     _check(rc, f"writing {pos.shape[0]} items of {item_bytes} bytes", path)
     if stats is not None:
         stats.write_calls += int(st[2])

@@ -273,3 +273,22 @@ def _cache_only(fd: int, start: int, stop: int) -> None:
     cache holds large folios, and a drop takes only the folios wholly inside its range.)"""
     _drop_pages(fd)
     os.pread(fd, stop - start, start)
+
+
+def test_a_write_given_a_read_only_mapping_goes_to_the_pool(f):
+    """A mapping made for reading only is not written through (that would be a SIGSEGV): the
+    pool writes the batch, and the file holds its bytes."""
+    fd, path, data = f
+    os.pread(fd, data.size, 0)
+    mapped = diskio.FileMap(fd, path, data.size, writable=False)
+    try:
+        pos = np.arange(0, 1000, 7)
+        rows = np.random.default_rng(5).integers(0, 255, (pos.size, 208), dtype=np.uint8)
+        stats = diskio.IOStats()
+        diskio.write(fd, path, 0, 208, pos, rows, 8, False, stats, mapped)
+        assert stats.write_bytes > pos.size * 208  # pages read-modify-written by the pool, not copied in
+        out = np.empty(pos.size * 208, dtype=np.uint8)
+        diskio.read(fd, path, 0, 208, pos, out, 8, None, mapped)
+        np.testing.assert_array_equal(out, rows.ravel())
+    finally:
+        mapped.close()
