@@ -1040,8 +1040,11 @@ int64_t hv_index_claim(const int64_t *ids, int64_t nb, hv_slot *blocks, int64_t 
             if (j < 0) { need[i] = s / spb; cur[i] = s; ++pending; break; }
             hv_slot *t = io_block_at(blocks, addr, j, spb) + (s % spb);
             if (t->key == HV_EMPTY_KEY) {
-                t->key = keys[i];
+                /* the value first, the key after it: a writer killed between the two stores (in
+                   the mapping, they are the file's page cache) leaves a slot that reads empty,
+                   never a key with the empty row (-1), which would hide the key's row */
                 t->value = values[i];
+                __atomic_store_n(&t->key, keys[i], __ATOMIC_RELEASE);
                 dirty[j] = 1;
                 out[i] = s;
                 break;
