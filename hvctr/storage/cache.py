@@ -231,7 +231,7 @@ class RowCache:
         sel = self._lowest(cand, score, m) if m < cand.shape[0] else cand
         d = sel[self.dirty[sel]]
         d = d[np.argsort(self.pos[d], kind="stable")]  # in file order: the write-back's runs
-        victims = (self.keys[d].copy(), self.pos[d].copy(), self.rows[d].copy())
+        victims = (self.keys[d], self.pos[d], self.rows[d])  # fancy indexing copies: the entries may be reused
         self._drop(sel)
         self.evictions += m
         return victims
