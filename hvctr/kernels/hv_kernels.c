@@ -652,29 +652,45 @@ static int64_t io_do_run(hv_io_job *jb, const hv_io_run *r, char **scratch, int6
    right). Shards map only where their pages are not flushed and dropped (no write-behind). */
 #define HV_IO_MINCORE_PAGES 4096
 
+/* Which pages of a mapping the page cache holds, asked of mincore for a window of up to
+   HV_IO_MINCORE_PAGES pages at a time. */
+typedef struct { unsigned char vec[HV_IO_MINCORE_PAGES]; int64_t lo, hi, calls; } io_residency;
+
+/* 1 where every page of [lo, hi) (page-aligned offsets, at most a window) is in the page cache, 0
+   where one is not, -errno where mincore failed. A span outside the window asks mincore anew for
+   [lo, reach): `reach`, the end of the spans the caller will ask next, saves their calls. */
+static int io_pages_held(io_residency *w, const char *map, int64_t map_len, int64_t lo, int64_t hi, int64_t reach)
+{
+    if (lo < w->lo || hi > w->hi) {
+        const int64_t end = reach < io_ceil(map_len) ? reach : io_ceil(map_len);
+        ++w->calls;
+        if (mincore((void *)(map + lo), (size_t)(end - lo), w->vec)) {
+            w->lo = w->hi = 0;
+            return -errno;
+        }
+        w->lo = lo;
+        w->hi = end;
+    }
+    for (int64_t at = lo; at < hi; at += HV_IO_PAGE)
+        if (!(w->vec[(at - w->lo) / HV_IO_PAGE] & 1)) return 0;
+    return 1;
+}
+
 static int64_t io_mapped_pass(hv_io_job *jb, const hv_io_run *runs, int64_t nruns, hv_io_run *waiting)
 {
-    unsigned char vec[HV_IO_MINCORE_PAGES];
-    const int64_t ib = jb->item_bytes, span_max = HV_IO_MINCORE_PAGES * HV_IO_PAGE, map_end = io_ceil(jb->map_len);
-    int64_t wlo = 0, whi = 0, left = 0; /* vec holds the pages of [wlo, whi) */
+    const int64_t ib = jb->item_bytes, span_max = HV_IO_MINCORE_PAGES * HV_IO_PAGE;
+    io_residency w = {.lo = 0, .hi = 0, .calls = 0};
+    int64_t left = 0;
     for (int64_t k = 0; k < nruns; ++k) {
         const hv_io_run *r = &runs[k];
         const int64_t last_end = jb->base + jb->pos[r->first + r->count - 1] * ib + ib;
         int held = last_end <= jb->map_len && r->hi - r->lo <= span_max;
-        if (held && (r->lo < wlo || r->hi > whi)) {
-            int64_t hi = r->hi;
-            for (int64_t j = k + 1; j < nruns && runs[j].hi - r->lo <= span_max; ++j) hi = runs[j].hi;
-            if (hi > map_end) hi = map_end;
-            jb->calls++;
-            if (mincore(jb->map + r->lo, (size_t)(hi - r->lo), vec)) {
-                held = 0;
-                wlo = whi = 0;
-            } else {
-                wlo = r->lo;
-                whi = hi;
-            }
+        if (held) {
+            int64_t reach = r->hi; /* runs are sorted: the window ends before this one, or holds it */
+            for (int64_t j = k + 1; r->hi > w.hi && j < nruns && runs[j].hi - r->lo <= span_max; ++j) reach = runs[j].hi;
+            /* a failed mincore: the run goes to the pool, which reports what fails there */
+            held = io_pages_held(&w, jb->map, jb->map_len, r->lo, r->hi, reach) == 1;
         }
-        for (int64_t at = r->lo; held && at < r->hi; at += HV_IO_PAGE) held = vec[(at - wlo) / HV_IO_PAGE] & 1;
         if (!held) {
             waiting[left++] = *r;
             continue;
@@ -685,6 +701,7 @@ static int64_t io_mapped_pass(hv_io_job *jb, const hv_io_run *runs, int64_t nrun
         }
         jb->bytes += r->count * ib;
     }
+    jb->calls += w.calls;
     return left;
 }
 
@@ -926,27 +943,21 @@ int64_t hv_io_write(int64_t fd, int64_t base, int64_t item_bytes, const int64_t 
 int64_t hv_io_held(int64_t map, int64_t map_len, int64_t base, int64_t item_bytes, const int64_t *pos, int64_t n,
                    int8_t *out)
 {
-    unsigned char vec[HV_IO_MINCORE_PAGES];
-    const int64_t span_max = HV_IO_MINCORE_PAGES * HV_IO_PAGE, map_end = io_ceil(map_len);
-    char *m = (char *)(intptr_t)map;
-    int64_t wlo = 0, whi = 0, calls = 0;
+    const int64_t span_max = HV_IO_MINCORE_PAGES * HV_IO_PAGE;
+    io_residency w = {.lo = 0, .hi = 0, .calls = 0};
     for (int64_t i = 0; i < n; ++i) {
         const int64_t at = base + pos[i] * item_bytes, lo = io_floor(at), hi = io_ceil(at + item_bytes);
-        int held = pos[i] >= 0 && at + item_bytes <= map_len && hi - lo <= span_max;
-        if (held && (lo < wlo || hi > whi)) {
-            int64_t end = hi;
-            for (int64_t j = i + 1; j < n && io_ceil(base + pos[j] * item_bytes + item_bytes) - lo <= span_max; ++j)
-                end = io_ceil(base + pos[j] * item_bytes + item_bytes);
-            if (end > map_end) end = map_end;
-            ++calls;
-            if (mincore(m + lo, (size_t)(end - lo), vec)) return -errno;
-            wlo = lo;
-            whi = end;
+        int held = 0;
+        if (pos[i] >= 0 && at + item_bytes <= map_len && hi - lo <= span_max) {
+            int64_t reach = hi; /* items are sorted: the window ends before this one, or holds it */
+            for (int64_t j = i + 1; hi > w.hi && j < n && io_ceil(base + pos[j] * item_bytes + item_bytes) - lo <= span_max; ++j)
+                reach = io_ceil(base + pos[j] * item_bytes + item_bytes);
+            held = io_pages_held(&w, (const char *)(intptr_t)map, map_len, lo, hi, reach);
+            if (held < 0) return held;
         }
-        for (int64_t p = lo; held && p < hi; p += HV_IO_PAGE) held = vec[(p - wlo) / HV_IO_PAGE] & 1;
         out[i] = (int8_t)held;
     }
-    return calls;
+    return w.calls;
 }
 
 /* fd's first len bytes mapped shared (writable: read and write) for hv_io_read / hv_io_write:

@@ -69,8 +69,11 @@ from hvctr.formats import safefile
 from hvctr.formats.h5alloc import create_early, pwrite_all, reserved
 from hvctr.formats.space import check_free_space, remedy
 from hvctr.kernels import diskio, native
+from hvctr.log import get_logger
 from hvctr.storage import _probe
 from hvctr.storage.position_log import PositionLog, Tag
+
+log = get_logger(__name__)
 
 FORMAT_VERSION = 1
 BLOCK_BYTES = 4096
@@ -421,7 +424,11 @@ class Shard:
                 # Not read-only: mincore reports every page of a file the caller may not write as
                 # held (the kernel hides its page cache), and a miss would then fault at depth 1.
                 # Not where an overwrite allocates (copy-on-write): a full disk would be a SIGBUS.
-                self._map = diskio.FileMap(self._fd, self.path, os.fstat(self._fd).st_size, writable)
+                try:
+                    self._map = diskio.FileMap(self._fd, self.path, os.fstat(self._fd).st_size, writable)
+                except OSError as e:  # a virtual-memory limit (ulimit -v), vm.max_map_count: the pool alone
+                    log.warning(f"shard {self.path}: not mapped ({e.strerror}); rows the page cache holds "
+                                f"are read by the I/O pool, a page each")
         else:
             # Index entries go through the map where overwriting allocates nothing (module docstring).
             self.index_by_map = writable and file_system_type(self.path) not in _COPY_ON_WRITE_FS
@@ -710,10 +717,11 @@ class Shard:
         return read, data, addr
 
     def _read_index_blocks(self, blocks: np.ndarray) -> np.ndarray:
-        """Index blocks (sorted unique numbers) as [n, SLOTS_PER_BLOCK] entries, read by the pool."""
+        """Index blocks (sorted unique numbers) as [n, SLOTS_PER_BLOCK] entries, read by the pool
+        (never through the mapping: _index_blocks gives it only blocks the page cache lacks)."""
         out = np.empty((blocks.shape[0], SLOTS_PER_BLOCK), dtype=INDEX_DTYPE)
         diskio.read(self._read_fd, self.path, self._off["index"], BLOCK_BYTES, blocks, out, self.io_threads,
-                    self.io_stats, self._map)
+                    self.io_stats)
         self.index_blocks_read += blocks.shape[0]
         return out
 

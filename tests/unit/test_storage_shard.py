@@ -404,3 +404,31 @@ def test_a_writer_without_write_behind_reads_and_writes_through_its_mapping(tmp_
     np.testing.assert_array_equal(reader.read_rows(pos), rows)
     np.testing.assert_array_equal(reader.lookup(keys), pos)  # the index claimed through the mapping, read by pread
     reader.close()
+
+
+def test_a_writer_whose_file_cannot_be_mapped_reads_through_the_pool(tmp_path, io_path, monkeypatch, caplog):
+    """Where the mapping fails (a virtual-memory limit, vm.max_map_count), the shard opens
+    unmapped with a warning naming it, and its rows and index go through the pool alike."""
+    if io_path != "pread" or not native.enabled():
+        pytest.skip("the pread path's mapping")
+    import errno
+    import logging
+
+    def refuse(fd, path, length, writable):
+        raise OSError(errno.ENOMEM, f"mapping {length} bytes: {os.strerror(errno.ENOMEM)}", path)
+
+    monkeypatch.setattr(shard_mod.diskio, "FileMap", refuse)
+    path = tmp_path / "s.h5"
+    with caplog.at_level(logging.WARNING):
+        shard = Shard.create(path, dim=4, capacity=2000, world_size=2, rank=1, bucket_owner=default_bucket_owner(2),
+                             seed=11, init_scale=0.01, max_load_factor=0.8, io="pread", write_behind=False)
+    assert shard._map is None
+    assert any(str(path) in r.getMessage() and "not mapped" in r.getMessage() for r in caplog.records)
+    keys = _keys(1500)
+    pos = shard.insert(keys)
+    rows = np.random.default_rng(1).standard_normal((keys.size, RowLayout(4).width)).astype(np.float32)
+    shard.write_rows(pos, keys, rows)
+    shard.flush_index()
+    np.testing.assert_array_equal(shard.read_rows(pos), rows)
+    np.testing.assert_array_equal(shard.lookup(keys), pos)
+    shard.close()
