@@ -368,8 +368,10 @@ def measure_rank(comm, work: str, quick: bool) -> dict[str, float]:
     """Every rate of this rank; the ranks run each part together."""
     import torch
 
+    from hvctr.determinism import deterministic_torch
+
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    deterministic_torch()
     reps = 3 if quick else 7
     res: dict[str, float] = {}
     for part in ("compute", "host", "store", "disk", "data"):

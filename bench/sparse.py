@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hvctr.determinism import deterministic_torch
 from hvctr.models import DNN
 from hvctr.kernels import native as _native
 from hvctr.optim.sparse_adam import batch_unique, gather_rows, row_width, sparse_adam_step, sum_rows_grad
@@ -70,7 +71,7 @@ STEP_PARTS = tuple(n for n in PARTS if n not in AHEAD)  # what the training step
 def measure(repeats: int, window: int, batch_size: int, dim: int, threads: int) -> list[dict]:
     """The setup line, then one line per path (native, torch): medians in ms and the ratio."""
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
+    deterministic_torch()
     B, D = batch_size, dim
     pos_all = torch.from_numpy(power_law_positions(window * B, seed=0))
     U = int(pos_all.max()) + 1

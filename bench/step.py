@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hvctr.determinism import deterministic_torch
 from hvctr.formats import NUM_DENSE
 from hvctr.models import DNN
 from hvctr.optim import (batch_unique, gather_embeddings, gather_rows, row_width, sparse_adam_step,
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--working-set", type=int, default=120_000)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    deterministic_torch()
     B, F_, D, U = 4096, 26, 16, args.working_set
     rng = np.random.default_rng(0)
     rows = torch.from_numpy(rng.random((U, row_width(D)), dtype=np.float32) * 0.01)

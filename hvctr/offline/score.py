@@ -32,6 +32,7 @@ import h5py
 import numpy as np
 import torch
 
+from hvctr.determinism import deterministic_torch
 from hvctr.formats import safefile
 from hvctr.formats.fields import OneOf, Opt, field_problem
 from hvctr.formats.lines import parse_block
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ValueError(f"--batch-size {args.batch_size}: rows per forward pass, at least 1 (0: the run's "
                          f"data.batch_size_per_rank)")
     torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
+    deterministic_torch()
     model = ExportedModel(args.model)
     acc = EvalAccumulator()
     tmp = ""

@@ -123,7 +123,7 @@ def batch_unique(pos: Tensor) -> tuple[Tensor, Tensor]:
     bound = hi + 1
     if bound > 64 * pos.numel() + (1 << 22):  # not working-set positions: scratch would dwarf the input
         return torch.unique(pos, sorted=True, return_inverse=True)
-    # numpy scratch: torch.empty would be filled under torch.use_deterministic_algorithms
+    # numpy scratch: never filled, whatever torch's fill_uninitialized_memory (hvctr.determinism)
     bits = np.zeros((bound + 63) // 64, dtype=np.uint64)
     slot = np.empty(bound, dtype=np.int32)
     uniq = np.empty(pos.numel(), dtype=np.int64)
@@ -144,7 +144,7 @@ def gather_rows(rows: Tensor, pos: Tensor, dim: int) -> Tensor:
     pos = pos.long().contiguous()
     if rows.dtype == torch.float32 and _native_ok(rows, pos):
         _check_index(pos, rows.shape[0], "gather_rows")
-        # numpy's empty: torch.empty is NaN-filled under torch.use_deterministic_algorithms
+        # numpy's empty: never filled, whatever torch's fill_uninitialized_memory (hvctr.determinism)
         out = torch.from_numpy(np.empty((*pos.shape, c), dtype=np.float32))
         _native.lib().hv_gather_rows(rows.data_ptr(), rows.shape[1], pos.data_ptr(), pos.numel(), c, out.data_ptr())
     else:
@@ -155,8 +155,8 @@ def gather_rows(rows: Tensor, pos: Tensor, dim: int) -> Tensor:
 def _aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
     """Uninitialised float32 of ``shape`` at a 64-byte boundary, as torch's allocator places
     its tensors (numpy's large blocks sit 16 bytes past a page: a GEMM's kernels may take
-    other paths there); numpy's, not torch.empty, which is NaN-filled under
-    torch.use_deterministic_algorithms."""
+    other paths there); numpy's, not torch.empty, which deterministic mode NaN-fills wherever torch's
+    fill_uninitialized_memory is on (hvctr.determinism turns it off; a library caller may not)."""
     n = int(np.prod(shape))
     buf = np.empty(n + 16, dtype=np.float32)
     off = (-buf.ctypes.data % 64) // 4

@@ -199,6 +199,7 @@ def simulate(cfg: Config, size: int, resume: bool = False, init_from: str | None
     checked); returns (rank 0's summary with the evaluation, whether a stop was requested)."""
     import torch
 
+    from hvctr.determinism import deterministic_torch
     from hvctr.sim.comm import ThreadComm, ThreadWorld
     from hvctr.train.trainer import Trainer
 
@@ -207,7 +208,7 @@ def simulate(cfg: Config, size: int, resume: bool = False, init_from: str | None
     world = ThreadWorld(size, node_grouping(size, cfg.topology.ranks_per_virtual_node), reduce_order)
     handlers = _setup_logging(world, run_dir, cfg.metrics.all_ranks)
     threads = threads or cfg.train.threads or len(os.sched_getaffinity(0))
-    torch.use_deterministic_algorithms(True)
+    deterministic_torch()
     device = torch.device(_device(cfg))
     write_toml(cfg, run_dir / "config.toml")
     stop = stop or StopRequest()

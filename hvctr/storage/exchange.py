@@ -601,8 +601,8 @@ class ShardedTable:
             back, _ = self._alltoall(rec, torch.from_numpy(rows), received, f"{name}.rows")
             if r.in_order:  # a window's working set is laid out as the rows arrive
                 return self._to_device(back), asked
-            # numpy, not torch: torch.empty is NaN-filled and index_put sorts its indices under
-            # torch.use_deterministic_algorithms; a permutation's scatter is deterministic as it is
+            # numpy, not torch: index_put sorts its indices under torch.use_deterministic_algorithms
+            # (and torch.empty may be NaN-filled there); a permutation's scatter is deterministic as it is
             out = np.empty((len(r), self.width), dtype=np.float32)
             out[r.order] = back.numpy()
             return self._to_device(torch.from_numpy(out)), asked

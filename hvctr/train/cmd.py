@@ -7,7 +7,8 @@ and reported once, before Horovod starts: hvctr.train.preflight; it also sizes t
 CUBLAS_WORKSPACE_CONFIG (before CUDA initialises), Horovod, placement (affinity, memory policy,
 threads: before CUDA and before any large allocation), then the trainer.
 
-Determinism: ``torch.use_deterministic_algorithms(True)`` on every run. On CUDA, cuBLAS is then
+Determinism: ``torch.use_deterministic_algorithms(True)`` on every run (hvctr.determinism, which also
+turns torch's NaN fill of fresh tensors off). On CUDA, cuBLAS is then
 deterministic only with a fixed workspace: ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (set here when
 unset, before any CUDA call; ``:16:8`` also works, with less memory and some speed lost),
 else the first matmul raises. Its cost: 8 workspaces of 4 MiB per GPU, and no
@@ -76,6 +77,7 @@ def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device
     heap_note = fix_mmap_threshold()  # HVCTR_MALLOC_TUNE=1: freed arrays go back (hvctr.heap)
     import torch  # here, not at the top: the preflight before it needs none of it
 
+    from hvctr.determinism import deterministic_torch
     from hvctr.distributed import init_comm
     from hvctr.models.linear import describe as describe_products
 
@@ -114,7 +116,7 @@ def _start(cfg: Config, run_dir: Path, program: str) -> tuple[Comm, torch.device
         log.info(f"torch threads: {torch.get_num_threads()} on rank 0, from {threads_why}")
         log.info(f"collectives: {comm!r}")
         log.info(f"dense layers' products on the CPU: {describe_products()}")
-    torch.use_deterministic_algorithms(True)
+    deterministic_torch()
     # comm: allgather of every rank's effective binding, for one table on rank 0
     reports = comm.allgather_object(binding_report(placement), name="binding")
     log.info("rank binding:\n" + format_binding_table(reports))

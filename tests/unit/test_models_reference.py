@@ -71,6 +71,18 @@ def test_dot_interaction_matches_a_double_loop_over_pairs():
     torch.testing.assert_close(got, pairs_by_loops(x), rtol=1e-12, atol=1e-12)
 
 
+def test_dot_interactions_gradient_is_the_double_loops():
+    """Its backward is written by hand (_DotInteraction): against autograd through the loops, and
+    against finite differences."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(3, 15, generator=g, dtype=torch.float64)
+    (want,) = torch.autograd.grad(pairs_by_loops(x), x, upstream)
+    (got,) = torch.autograd.grad(dot_interaction(x), x, upstream)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(dot_interaction, (x,))
+
+
 @pytest.mark.parametrize("rank", [0, 3])
 def test_cross_network_matches_its_formula_element_by_element(rank):
     torch.manual_seed(2)
