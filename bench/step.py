@@ -9,6 +9,8 @@ MLP 512-256-1, positions drawn uniformly from a working set of ``--working-set``
 - ``hvctr``: the trainer's step: gather_embeddings, forward, backward, sum_embedding_grads,
   lazy Adam on the touched rows, dense Adam (each part timed);
 - ``hvctr_gather_rows``: the same with gather_rows + sum_rows_grad (the step before issue 19);
+- ``hvctr_nan_fill``: the trainer's step with torch's NaN fill of fresh tensors on, as
+  torch.use_deterministic_algorithms has it by default (hvctr.determinism turns it off);
 - ``floor``: the MLP alone with the gradient of its embedding input, and dense Adam
   (bench.baseline's floor).
 
@@ -23,6 +25,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.deterministic
 
 from hvctr.determinism import deterministic_torch
 from hvctr.formats import NUM_DENSE
@@ -59,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         times.setdefault(name, []).append(time.thread_time() - t0)
         return out
 
-    def hvctr(i: int, split: bool) -> None:
-        tag = "hvctr" if split else "hvctr_gather_rows"
+    def hvctr(i: int, split: bool, tag: str = "") -> None:
+        tag = tag or ("hvctr" if split else "hvctr_gather_rows")
         p = pos[i % 8]
         if split:
             emb, w1 = timed(f"{tag}.gather", lambda: gather_embeddings(rows, p, D))
@@ -91,7 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         timed("floor.forward_backward", fwd_bwd)
         timed("floor.dense_adam", opt_floor.step)
 
-    steps = {"hvctr": lambda i: hvctr(i, True), "hvctr_gather_rows": lambda i: hvctr(i, False), "floor": floor}
+    def nan_filled(i: int) -> None:
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        try:
+            hvctr(i, True, "hvctr_nan_fill")
+        finally:
+            torch.utils.deterministic.fill_uninitialized_memory = False
+
+    steps = {"hvctr": lambda i: hvctr(i, True), "hvctr_gather_rows": lambda i: hvctr(i, False),
+             "hvctr_nan_fill": nan_filled, "floor": floor}
     for i in range(3):  # warm-up
         for f in steps.values():
             f(i)
