@@ -2,8 +2,9 @@
 
 - the sparse optimiser's ops (gather, per-row gradient sums, lazy Adam, the row-wise steps) with
   device cuda give what they give on the host (within float rounding) and the same bits twice;
-- a model step under torch.use_deterministic_algorithms(True) runs (cuBLAS needs
-  CUBLAS_WORKSPACE_CONFIG, which hvctr.train.cmd sets before CUDA starts) and repeats bit for bit;
+- a model step (DNN; DLRM, whose dot interaction has its own backward) under hvctr.determinism
+  runs (cuBLAS needs CUBLAS_WORKSPACE_CONFIG, which hvctr.train.cmd sets before CUDA starts) and
+  repeats bit for bit;
 - the trainer on cuda: `hvctr simulate` (the real Trainer, 2 ranks over threads) with
   --train.device=cuda;
 - two ranks of `hvctr train` under mpirun on the one GPU, with a small table: a run killed after
@@ -108,14 +109,17 @@ def test_pooled_gather_and_backward_on_cuda_match_the_host_kernels():
         assert torch.allclose(host.float(), dev.float(), rtol=1e-5, atol=1e-6)
 
 
-def test_model_step_is_deterministic_on_cuda():
-    from hvctr.config import ModelConfig
+@pytest.mark.parametrize("arch", ["dnn", "dlrm"])
+def test_model_step_is_deterministic_on_cuda(arch):
+    from hvctr.config import ModelArch, ModelConfig
+    from hvctr.determinism import deterministic_torch
     from hvctr.models import build_model
 
-    torch.use_deterministic_algorithms(True)
+    deterministic_torch()
     grads = []
     for _ in range(2):
-        model = build_model(ModelConfig(hidden=(64, 32)), 8, seed=1).to(CUDA)
+        cfg = ModelConfig(arch=ModelArch(arch), hidden=(64, 32), bottom_mlp=(32, 8))
+        model = build_model(cfg, 8, seed=1).to(CUDA)
         g = torch.Generator().manual_seed(5)
         dense = torch.rand(256, 13, generator=g).to(CUDA)
         emb = torch.rand(256, 26, 8, generator=g).to(CUDA)
