@@ -87,6 +87,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "hv_gather_rows": ([ptr, i64, ptr, i64, i64, ptr], None),
         "hv_batch_unique": ([ptr, i64, i64, ptr, ptr, ptr, ptr], i64),
         "hv_unique_u64": ([ptr, i64, ptr, i64, ptr, ptr, ptr], i64),
+        "hv_kth_smallest_u64": ([ptr, i64, i64, ptr], u64),
         "hv_pack_rows": ([ptr, ptr, i64, ptr, i64, i64, ptr], None),
         "hv_merge_messages": ([ptr, i64, i64, i64, ptr, i64, ctypes.c_int32, ptr, ptr, ptr], i64),
         "hv_probe_find": ([ptr, i64, ptr, i64, u64, i64, ptr], None),
