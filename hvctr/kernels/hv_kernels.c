@@ -172,9 +172,12 @@ int64_t hv_batch_unique(const int64_t *pos, int64_t n, int64_t bound, uint64_t *
 
 /* Distinct keys of keys[0:n] in order of first occurrence: uniq[0:k], first[j] = the index of
    uniq[j]'s first occurrence, inverse[i] = the index of keys[i] in uniq; returns k. One pass
-   over an open-addressing table (table: cap = 2^bits int32 entries, all -1 on entry; cap >= 2n).
-   Keys are mixed again before probing, so keys that share low bits do not share slots. */
-int64_t hv_unique_u64(const uint64_t *keys, int64_t n, int32_t *table, int64_t bits,
+   over an open-addressing table (table: cap = 2^bits int32 entries, all -1 on entry; uniq, first:
+   room for `limit` keys, limit <= cap / 2). Returns -1, the outputs partial, where keys holds
+   more than `limit` distinct keys: a table sized for the distinct keys, not for n, stays in the
+   CPU's caches (a window of 3.7M multi-hot keys holds 260k). Keys are mixed again before
+   probing, so keys that share low bits do not share slots. */
+int64_t hv_unique_u64(const uint64_t *keys, int64_t n, int32_t *table, int64_t bits, int64_t limit,
                       uint64_t *uniq, int64_t *first, int64_t *inverse)
 {
     const uint64_t mask = ((uint64_t)1 << bits) - 1;
@@ -185,6 +188,8 @@ int64_t hv_unique_u64(const uint64_t *keys, int64_t n, int32_t *table, int64_t b
         for (;;) {
             const int32_t e = table[s];
             if (e < 0) {
+                if (k == limit)
+                    return -1;
                 table[s] = (int32_t)k;
                 uniq[k] = key;
                 first[k] = i;
@@ -357,6 +362,32 @@ int64_t hv_probe_claim(hv_slot *table, int64_t nslots, const uint64_t *keys, con
 
 /* out[i] = rows[idx[i]] where idx[i] >= 0 (rows of width floats); rows with idx[i] < 0 are left
    as they are. The cache's row reads: one pass, rows prefetched ahead, no boolean-mask copies. */
+/* The shard's key filter (hvctr.storage.shard.KeyFilter), a Bloom filter of `bits` bits: key k
+   sets (add) or tests (test) bit mix64(k ^ salts[h]) % bits for each of the nsalts salts. add
+   ORs them into `table`; test writes out[i] = 1 where every bit of key i is set. One pass over
+   the keys, where numpy's bitwise_or.at and the gathers took a pass per salt and array. */
+void hv_bloom_add(uint8_t *table, int64_t bits, const uint64_t *salts, int64_t nsalts, const uint64_t *keys, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < nsalts; ++h) {
+            const uint64_t b = hv_mix64(keys[i] ^ salts[h]) % (uint64_t)bits;
+            table[b >> 3] |= (uint8_t)(1u << (b & 7));
+        }
+}
+
+void hv_bloom_test(const uint8_t *table, int64_t bits, const uint64_t *salts, int64_t nsalts, const uint64_t *keys,
+                   int64_t n, uint8_t *out)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        uint8_t all = 1;
+        for (int64_t h = 0; h < nsalts && all; ++h) {
+            const uint64_t b = hv_mix64(keys[i] ^ salts[h]) % (uint64_t)bits;
+            all = (table[b >> 3] >> (b & 7)) & 1;
+        }
+        out[i] = all;
+    }
+}
+
 void hv_take_rows(const float *rows, int64_t width, const int64_t *idx, int64_t n, float *out)
 {
     for (int64_t i = 0; i < n; ++i) {

@@ -317,7 +317,7 @@ def held_by(keys: np.ndarray, held: np.ndarray) -> np.ndarray:
     unique_in_order over both, ``held`` first (its keys keep their places)."""
     if held.size == 0:
         return np.zeros(keys.shape[0], dtype=bool)
-    _, _, inverse = unique_in_order(np.concatenate((held, keys)))
+    _, _, inverse = unique_in_order(np.concatenate((held, keys)), distinct=held.size + keys.shape[0])
     return inverse[held.size:] < held.size
 
 
@@ -760,7 +760,8 @@ class ShardedTable:
     def _ask(self, rec: dict, r: Routing, name: str) -> Asked:
         """Sends the keys to their owners; returns what this rank was asked as an owner."""
         keys, received = self._send_keys(rec, r.keys_by_owner, r.splits, f"{name}.keys")
-        uniq, first, inv = unique_in_order(keys)  # ranks ask for the same keys: read each once
+        # ranks ask for the same keys: read each once (at least 1 / W of them distinct)
+        uniq, first, inv = unique_in_order(keys, distinct=keys.shape[0])
         return Asked(received, uniq, inv, first)
 
     def warm(self, keys: Exchange, name: str) -> WindowExchange:

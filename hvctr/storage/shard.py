@@ -117,6 +117,7 @@ class KeyFilter:
 
     HASHES = 4
     _SALTS = tuple(np.uint64(0x9E3779B97F4A7C15 * (i + 1) & 0xFFFFFFFFFFFFFFFF) for i in range(HASHES))
+    _SALT_ARRAY = np.array(_SALTS, dtype=np.uint64)
 
     def __init__(self, capacity: int) -> None:
         self.bits = max(int(capacity) * 10, 1 << 16)
@@ -126,10 +127,23 @@ class KeyFilter:
         return [(mix64(keys ^ salt) % np.uint64(self.bits)).astype(np.int64) for salt in self._SALTS]
 
     def add(self, keys: np.ndarray) -> None:
+        lib = native.lib()
+        if lib is not None:  # the same bits, one pass over the keys (numpy's bitwise_or.at is slow)
+            k = np.ascontiguousarray(keys, dtype=np.uint64)
+            lib.hv_bloom_add(self.table.ctypes.data, self.bits, self._SALT_ARRAY.ctypes.data, self.HASHES,
+                             k.ctypes.data, k.size)
+            return
         for h in self._slots(keys):
             np.bitwise_or.at(self.table, h >> 3, (1 << (h & 7)).astype(np.uint8))
 
     def may_hold(self, keys: np.ndarray) -> np.ndarray:
+        lib = native.lib()
+        if lib is not None:
+            k = np.ascontiguousarray(keys, dtype=np.uint64)
+            out = np.empty(k.size, dtype=bool)
+            lib.hv_bloom_test(self.table.ctypes.data, self.bits, self._SALT_ARRAY.ctypes.data, self.HASHES,
+                              k.ctypes.data, k.size, out.ctypes.data)
+            return out
         out = np.ones(keys.shape[0], dtype=bool)
         for h in self._slots(keys):
             out &= (self.table[h >> 3] >> (h & 7).astype(np.uint8)) & 1 == 1

@@ -75,7 +75,7 @@ def require_unique(keys: np.ndarray) -> np.ndarray:
     # Sorted input (np.unique's, or torch.unique's int64 order) proves uniqueness in O(n);
     # other orders (the exchange's, first occurrence) take one hash pass.
     if keys.size > 1 and not (strictly_increasing(keys) or strictly_increasing(keys.view(np.int64))):
-        if unique_in_order(keys)[0].size != keys.size:
+        if unique_in_order(keys, distinct=keys.size)[0].size != keys.size:
             raise ValueError("EmbeddingStore methods take unique keys; deduplicate first (np.unique)")
     return keys
 

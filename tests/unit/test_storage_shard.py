@@ -294,6 +294,23 @@ def test_the_key_filter_skips_index_reads_of_new_keys_and_never_hides_a_stored_o
     reopened.close()
 
 
+def test_the_key_filters_c_pass_sets_and_tests_the_bits_numpy_does():
+    """KeyFilter's add and may_hold in C (hv_bloom_add / hv_bloom_test) against its numpy path: the
+    same table bit for bit, the same answers, every added key held."""
+    keys, asked = _keys(20_000, seed=31), _keys(30_000, seed=32)
+    asked[:500] = keys[:500]
+    c, ref = shard_mod.KeyFilter(3000), shard_mod.KeyFilter(3000)  # small: many keys share bytes
+    c.add(keys)
+    got = c.may_hold(asked)
+    with native.disabled():
+        ref.add(keys)
+        want = ref.may_hold(asked)
+    np.testing.assert_array_equal(c.table, ref.table)
+    np.testing.assert_array_equal(got, want)
+    assert got[:500].all() and c.may_hold(keys).all()
+    assert not got[500:].all()  # the filter says absent of some keys
+
+
 def test_recent_positions_spare_the_index_reads_of_keys_looked_up_lately(tmp_path, io_path):
     # A window's push looks up the keys its warm and pull looked up: from memory, not the index
     # blocks again (issue 26). Two generations of 1000: the answers stay right past them.
