@@ -120,7 +120,7 @@ def build_window(index: int, epoch: int, first_batch: int, labels: np.ndarray, d
     messages are those of the sorted layout."""
     n = labels.shape[0]
     m = keys_index.distinct_in_prefix(n)
-    order = np.argsort(keys_index.uniq[:m], kind="stable")
+    order = np.argsort(keys_index.uniq[:m])  # distinct keys: any sort gives the one order (quicksort's is faster)
     unique_keys = keys_index.uniq[:m][order]
     exchange = None
     if route is not None:
