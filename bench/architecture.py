@@ -19,7 +19,7 @@ TOPS = ("hvctr", "data_prep", "bench")
 # holds the code to it, so there is no import circle and nothing imports upward). A new package
 # gets a layer here before it is imported anywhere. The drawing puts layer 0 at the bottom.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hvctr.formats", "hvctr.log", "hvctr.memcg", "hvctr.heap"),
+    ("hvctr.formats", "hvctr.log", "hvctr.memcg", "hvctr.heap", "hvctr.determinism"),
     ("hvctr.config", "hvctr.kernels", "hvctr.data", "hvctr.metrics"),
     ("hvctr.distributed", "hvctr.models", "hvctr.optim", "hvctr.rundir", "hvctr.topo"),
     ("hvctr.storage", "hvctr.checkpoint"),
@@ -54,7 +54,7 @@ ROLE = {
     "hvctr.models": "DNN, DeepFM, W&D", "hvctr.optim": "sparse + dense Adam", "hvctr.storage": "SSD / cache / exchange",
     "hvctr.checkpoint": "base + deltas, manifests", "hvctr.distributed": "Horovod, MPI, watchdog",
     "hvctr.rundir": "run dir: lock, identity", "hvctr.kernels": "C hot loops", "hvctr.config": "run config, resolved",
-    "hvctr.data": "data shards, manifest", "hvctr.metrics": "AUC, logloss, COPC", "hvctr.log": "rank-aware logs", "hvctr.memcg": "the job's memory cgroup", "hvctr.heap": "glibc malloc settings",
+    "hvctr.data": "data shards, manifest", "hvctr.metrics": "AUC, logloss, COPC", "hvctr.log": "rank-aware logs", "hvctr.memcg": "the job's memory cgroup", "hvctr.heap": "glibc malloc settings", "hvctr.determinism": "deterministic torch",
     "hvctr.formats": "data, key, row (the leaf)",
 }
 
