@@ -7,11 +7,10 @@ NaN into every tensor torch.empty (and every op's output) allocates before the o
 a guard for code that would read memory it never wrote, paid by every op. hvctr reads none
 (its results are checked bit-identical across runs, prefetch on and off, engines and thread
 counts, in tests/), and torch's documentation names turning the fill off as the way for such a
-program to stay deterministic without its cost. One rank's step (forward, backward, Adam; batch
-4096, 26 x 16 embeddings, 1 thread), fill on and off alternated in one process, median of 24
-pairs (`/var/tmp/fillbench2.py`, 2026-12-07): DNN 108.7 against 106.4 ms (1.015x), DLRM
-168.5 against 167.0 ms (0.996x: within the spread). The torch profiler counts 51 fills in the
-DNN's step, 91 in DLRM's.
+program to stay deterministic without its cost. Its cost is small: the trainer's DNN step on one
+thread (batch 4096, 26 x 16 embeddings) takes 106.9 ms of CPU with it and 106.1 without
+(`python -m bench.step`, hvctr_nan_fill against hvctr), 51 fills a step by torch's profiler;
+DLRM's step, 91 fills, within its spread (BENCHMARKS.md, "Multi-hot data").
 """
 
 from __future__ import annotations
