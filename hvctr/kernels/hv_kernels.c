@@ -360,8 +360,6 @@ int64_t hv_probe_claim(hv_slot *table, int64_t nslots, const uint64_t *keys, con
     return reused;
 }
 
-/* out[i] = rows[idx[i]] where idx[i] >= 0 (rows of width floats); rows with idx[i] < 0 are left
-   as they are. The cache's row reads: one pass, rows prefetched ahead, no boolean-mask copies. */
 /* The shard's key filter (hvctr.storage.shard.KeyFilter), a Bloom filter of `bits` bits: key k
    sets (add) or tests (test) bit mix64(k ^ salts[h]) % bits for each of the nsalts salts. add
    ORs them into `table`; test writes out[i] = 1 where every bit of key i is set. One pass over
@@ -388,6 +386,8 @@ void hv_bloom_test(const uint8_t *table, int64_t bits, const uint64_t *salts, in
     }
 }
 
+/* out[i] = rows[idx[i]] where idx[i] >= 0 (rows of width floats); rows with idx[i] < 0 are left
+   as they are. The cache's row reads: one pass, rows prefetched ahead, no boolean-mask copies. */
 void hv_take_rows(const float *rows, int64_t width, const int64_t *idx, int64_t n, float *out)
 {
     for (int64_t i = 0; i < n; ++i) {

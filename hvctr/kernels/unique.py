@@ -27,8 +27,9 @@ def unique_in_order(keys: np.ndarray, distinct: int | None = None) -> tuple[np.n
     The C pass's table is sized for that many, so that it stays in the CPU's caches; where the
     keys hold more, the pass starts again with a table for all of them (the result is the same
     either way). A window of 3.7M multi-hot keys with 260k distinct (bench.multi_hot's DLRM):
-    85 ms with a table for every key (32 MiB), 27 ms with the default; keys all distinct, the
-    wasted first pass costs 5-20%."""
+    49-85 ms with a table for every key (32 MiB), 27-30 ms with the default (python -m
+    bench.host_kernels); a one-hot window (852k keys, 57k distinct) alike either way; keys all
+    distinct, the wasted first pass costs 5-20%."""
     flat = np.ascontiguousarray(keys.reshape(-1), dtype=np.uint64)
     lib = native.lib()
     if lib is not None and 0 < flat.size < (1 << 30):
