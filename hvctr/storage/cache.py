@@ -189,7 +189,11 @@ class RowCache:
         self.n_free -= m
         self.keys[ent] = keys[:m]
         self.pos[ent] = pos[:m]
-        self.rows[ent] = rows[:m]
+        lib = native.lib()
+        if lib is not None and rows.flags.c_contiguous and rows.dtype == np.float32 and rows.shape[1] == self.width:
+            lib.hv_put_rows(self.rows.ctypes.data, self.width, ent.ctypes.data, m, rows.ctypes.data)  # rows[:m]
+        else:
+            self.rows[ent] = rows[:m]
         self.dirty[ent] = dirty[:m] if isinstance(dirty, np.ndarray) else dirty
         self.tick[ent] = _HELD if hold else self.now  # pinned for the rest of this operation, or held
         self.n_held += m if hold else 0

@@ -312,6 +312,19 @@ def take_rows(values: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return out
 
 
+def put_rows(values: np.ndarray, idx: np.ndarray, rows: np.ndarray) -> None:
+    """``values[idx] = rows`` (float32 rows; ``idx`` in range and without repeats, e.g. where the
+    rows of a reply go in a working set): one memcpy a row in C, about 3x numpy's fancy
+    assignment (a 150k x 52 scatter: 1.2-5 ms against 7-17)."""
+    lib = _native.lib()
+    if (lib is None or values.dtype != np.float32 or values.ndim != 2 or not values.flags.c_contiguous
+            or rows.dtype != np.float32 or not rows.flags.c_contiguous or rows.shape != (idx.shape[0], values.shape[1])):
+        values[idx] = rows
+        return
+    idx = np.ascontiguousarray(idx, dtype=np.int64)
+    lib.hv_put_rows(values.ctypes.data, values.shape[1], idx.ctypes.data, idx.shape[0], rows.ctypes.data)
+
+
 def held_by(keys: np.ndarray, held: np.ndarray) -> np.ndarray:
     """Whether each of ``keys`` is among ``held`` (both unique uint64): one pass of
     unique_in_order over both, ``held`` first (its keys keep their places)."""
@@ -552,7 +565,7 @@ class ShardedTable:
             late_sent = flags.view(bool)  # in the order this rank sent its keys
             at = np.arange(len(r)) if r.in_order else r.order  # working-set position of each key sent
             rows = np.empty((len(r), self.width), dtype=np.float32)
-            rows[at[~late_sent]] = back.numpy()
+            put_rows(rows, at[~late_sent], back.numpy())
             owner = np.repeat(np.arange(self.comm.size), r.splits)
             late_counts = np.bincount(owner[late_sent], minlength=self.comm.size).tolist()
             rec["rows"] = float(early.size)
@@ -571,7 +584,7 @@ class ShardedTable:
         with self._call("pull") as rec:
             late = read(asked.uniq[a.late], a.late) if a.late.size else np.empty((0, self.width), dtype=np.float32)
             if a.owned is not None:  # the rows as pulled are kept whole
-                a.owned[a.late] = late
+                put_rows(a.owned, a.late, late)
                 msg = take_rows(a.owned, asked.inverse[a.late_entries])
             else:  # a.late ascends: each late entry's row among them
                 msg = take_rows(late, np.searchsorted(a.late, asked.inverse[a.late_entries]))
@@ -579,7 +592,7 @@ class ShardedTable:
             back, received = self._alltoall(rec, torch.from_numpy(msg), a.late_splits, f"{name}.rows")
             if received != a.late_counts:
                 raise ValueError(f"{name}: {received} rows from the owners, {a.late_counts} expected")
-            a.rows[a.late_at] = back.numpy()
+            put_rows(a.rows, a.late_at, back.numpy())
             if self.sparse_rule is not SparseRule.AVERAGE or self.shared_rows:
                 x.pulled = a.owned  # the rows as pulled, for this window's push (and shares)
             return self._to_device(torch.from_numpy(a.rows))
@@ -604,7 +617,7 @@ class ShardedTable:
             # numpy, not torch: index_put sorts its indices under torch.use_deterministic_algorithms
             # (and torch.empty may be NaN-filled there); a permutation's scatter is deterministic as it is
             out = np.empty((len(r), self.width), dtype=np.float32)
-            out[r.order] = back.numpy()
+            put_rows(out, r.order, back.numpy())
             return self._to_device(torch.from_numpy(out)), asked
 
     def push(self, keys: Exchange, rows: torch.Tensor | np.ndarray, name: str, steps: int = 1,

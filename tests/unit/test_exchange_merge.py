@@ -8,7 +8,8 @@ import torch
 
 from hvctr.kernels import unique_in_order
 from hvctr.kernels import native as _native
-from hvctr.storage.exchange import Asked, _pack, _unpack, held_by, merge_asked, merge_by_key, merge_messages
+from hvctr.storage.exchange import (Asked, _pack, _unpack, held_by, merge_asked, merge_by_key, merge_messages, put_rows,
+                                    take_rows)
 
 
 def _messages(width, seed=0, ranks=3, per_rank=400):
@@ -93,3 +94,25 @@ def test_held_by_says_which_keys_the_next_window_holds(native):
         got = held_by(keys, held)
     np.testing.assert_array_equal(got, np.isin(keys, held))
     assert got.sum() == 1200 and not held_by(keys, held[:0]).any()
+
+
+@pytest.mark.parametrize("path", ["native", "numpy"])
+@pytest.mark.parametrize("order", ["permuted", "subset", "in_order"])
+def test_put_rows_and_take_rows_equal_numpy_indexing(path, order):
+    """Where a reply's rows land in a working set (put_rows) and an answer's rows are laid out
+    (take_rows): the C copies against numpy's fancy indexing, bit for bit."""
+    rng = np.random.default_rng(7)
+    values = rng.standard_normal((5000, 52)).astype(np.float32)
+    idx = {"permuted": rng.permutation(5000), "subset": rng.permutation(5000)[:1234],
+           "in_order": np.arange(5000)}[order]
+    rows = rng.standard_normal((idx.size, 52)).astype(np.float32)
+    with _native.disabled() if path == "numpy" else contextlib.nullcontext():
+        if path == "native":
+            assert _native.lib() is not None
+        got = values.copy()
+        put_rows(got, idx, rows)
+        taken = take_rows(got, idx)
+    want = values.copy()
+    want[idx] = rows
+    assert np.array_equal(got, want)
+    assert np.array_equal(taken, rows)
