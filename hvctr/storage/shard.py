@@ -79,6 +79,7 @@ FORMAT_VERSION = 1
 BLOCK_BYTES = 4096
 INDEX_DTYPE = np.dtype([("key", "<u8"), ("row", "<i8")])
 SLOTS_PER_BLOCK = BLOCK_BYTES // INDEX_DTYPE.itemsize  # 256
+_EMPTY_ENTRY = np.array((EMPTY_KEY, -1), dtype=INDEX_DTYPE)  # a free slot, as create() writes it
 PENDING_ENTRY_BYTES = 3 * INDEX_DTYPE.itemsize  # a waiting entry: its array of twice the capacity, and its batch
 _MERGE_BUFFER_BYTES = 1 << 20
 META_DTYPE = np.dtype([("key", "<u8"), ("last_seen", "<i4"), ("generation", "<i4")])
@@ -466,6 +467,9 @@ class Shard:
         self._pending: np.ndarray | None = None
         self._pending_parts: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending_n = 0
+        # index blocks as create() left them, all empty (None: unknown, a file opened from disk):
+        # read from nowhere. The first flush of a new shard would read its whole index back.
+        self._blank: np.ndarray | None = None
         self.recent: RecentPositions | None = None
         self.position_log: PositionLog | None = None
         self._recalled: list[np.ndarray] = []  # the log's positions of the last two windows recalled
@@ -569,8 +573,10 @@ class Shard:
                              f"{capacity} rows and their index): {e.strerror or e}; {remedy(e, Path(path).parent)}, "
                              f"point storage.shard_dir at another disk or lower storage.rows_per_rank") from None
         os.replace(tmp, path)
-        return cls(path, io=io, io_threads=io_threads, write_behind=write_behind, recent_positions=recent_positions,
-                   position_log=position_log, pending_bytes=pending_bytes)
+        shard = cls(path, io=io, io_threads=io_threads, write_behind=write_behind, recent_positions=recent_positions,
+                    position_log=position_log, pending_bytes=pending_bytes)
+        shard._blank = np.ones(-(-num_slots // SLOTS_PER_BLOCK), dtype=bool)  # as _reserve_and_clear_index wrote it
+        return shard
 
     @classmethod
     def open(cls, path: str | Path, writable: bool = True, io: str = "pread",
@@ -689,6 +695,7 @@ class Shard:
             self._write_meta(pos, keys)
             self.n_rows += n
             return pos
+        self._blank = None  # the index written slot by slot below: no block is known blank after it
         lib = _probe.native_table(self._index) if self.index_by_map else None
         if lib is not None:  # entries stored through the map, in C
             _probe.claim_slots(lib, self._index, keys, pos, self.slot_seed, empty_by_key=True)
@@ -732,11 +739,23 @@ class Shard:
 
     def _read_index_blocks(self, blocks: np.ndarray) -> np.ndarray:
         """Index blocks (sorted unique numbers) as [n, SLOTS_PER_BLOCK] entries, read by the pool
-        (never through the mapping: _index_blocks gives it only blocks the page cache lacks)."""
+        (never through the mapping: _index_blocks gives it only blocks the page cache lacks).
+        Blocks no write has touched since create() are filled here, not read."""
         out = np.empty((blocks.shape[0], SLOTS_PER_BLOCK), dtype=INDEX_DTYPE)
-        diskio.read(self._read_fd, self.path, self._off["index"], BLOCK_BYTES, blocks, out, self.io_threads,
-                    self.io_stats)
-        self.index_blocks_read += blocks.shape[0]
+        blank = self._blank[blocks] if self._blank is not None else None
+        if blank is None or not blank.any():
+            diskio.read(self._read_fd, self.path, self._off["index"], BLOCK_BYTES, blocks, out, self.io_threads,
+                        self.io_stats)
+            self.index_blocks_read += blocks.shape[0]
+            return out
+        out[blank] = _EMPTY_ENTRY
+        written = ~blank
+        if written.any():
+            part = np.empty((int(np.count_nonzero(written)), SLOTS_PER_BLOCK), dtype=INDEX_DTYPE)
+            diskio.read(self._read_fd, self.path, self._off["index"], BLOCK_BYTES, blocks[written], part,
+                        self.io_threads, self.io_stats)
+            out[written] = part
+            self.index_blocks_read += part.shape[0]
         return out
 
     def _probe_blocks(self, keys: np.ndarray, claim: np.ndarray | None = None) -> np.ndarray:
@@ -775,6 +794,8 @@ class Shard:
                     left = lib.hv_index_claim(blocks.ctypes.data, blocks.shape[0], data.ctypes.data, SLOTS_PER_BLOCK,
                                               self.num_slots, kt.ctypes.data, vt.ctypes.data, kt.shape[0],
                                               ct.ctypes.data, rt.ctypes.data, nt.ctypes.data, dirty.ctypes.data, at)
+                    if self._blank is not None:
+                        self._blank[blocks[dirty != 0]] = False
                     changed = np.flatnonzero(dirty[read])  # the blocks claimed in the mapping are written already
                     if changed.size:
                         diskio.write(self._fd, self.path, self._off["index"], BLOCK_BYTES, blocks[read][changed],

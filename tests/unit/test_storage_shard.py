@@ -16,7 +16,8 @@ from hvctr.formats import EMPTY_KEY, default_bucket_owner, mix64
 from hvctr.formats import RowLayout
 from hvctr.kernels import native
 from hvctr.storage import shard as shard_mod
-from hvctr.storage.shard import BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullError, file_system_type, pwrite_runs
+from hvctr.storage.shard import (BLOCK_BYTES, SLOTS_PER_BLOCK, Shard, ShardFullError, file_system_type, num_slots_for,
+                                 pending_capacity, pwrite_runs)
 from tests.conftest import VENV_PY
 
 
@@ -207,6 +208,8 @@ def test_block_probes_cross_blocks_and_the_table_end_and_agree_with_the_map(tmp_
     shard = Shard.create(path, dim=4, capacity=5 * SLOTS_PER_BLOCK - 12, world_size=2, rank=1,
                          bucket_owner=default_bucket_owner(2), seed=11, init_scale=0.01, max_load_factor=0.995,
                          io=writer_io)
+    shard.close()
+    shard = Shard.open(path, io=writer_io)  # opened from disk: its index blocks are read, none known blank
     keys = _keys(5 * SLOTS_PER_BLOCK - 12, seed=8)
     pos = np.concatenate([shard.insert(part) for part in np.array_split(keys, 7)])
     shard.close()  # the entries waiting in memory go to the file's index
@@ -225,6 +228,37 @@ def test_block_probes_cross_blocks_and_the_table_end_and_agree_with_the_map(tmp_
     assert ((slot // SLOTS_PER_BLOCK) != (home // SLOTS_PER_BLOCK)).any(), "some probe run crossed a block end"
     if writer_io == "pread":
         assert blocks_read > 0
+    reader.close()
+
+
+@pytest.mark.parametrize("n_keys", [1000, 30 * SLOTS_PER_BLOCK])  # one flush, at the close; a flush every few inserts
+def test_a_new_shards_index_flushes_fill_its_blank_blocks_instead_of_reading_them(tmp_path, n_keys):
+    # A shard create() made knows every index block is still empty: its flushes read only the
+    # blocks written since. The index it writes equals, bit for bit, the one a shard opened
+    # from disk (which reads every block) writes for the same inserts.
+    def fill(path, reopen):
+        shard = Shard.create(path, dim=4, capacity=40 * SLOTS_PER_BLOCK, world_size=2, rank=0,
+                             bucket_owner=default_bucket_owner(2), seed=5, init_scale=0.01, max_load_factor=0.9,
+                             io="pread")
+        if reopen:
+            shard.close()
+            shard = Shard.open(path, io="pread")
+        keys = _keys(n_keys, seed=12)
+        pos = np.concatenate([shard.insert(part) for part in np.array_split(keys, 9)])
+        np.testing.assert_array_equal(shard.lookup(keys), pos)
+        shard.close()
+        with h5py.File(path, "r") as f:
+            return f["index"][...], shard.index_blocks_read, keys, pos
+
+    shard_pending = pending_capacity(40 * SLOTS_PER_BLOCK, num_slots_for(40 * SLOTS_PER_BLOCK, 0.9))
+    new, new_read, keys, pos = fill(tmp_path / "new.h5", reopen=False)
+    old, old_read, _, _ = fill(tmp_path / "old.h5", reopen=True)
+    assert new.tobytes() == old.tobytes()
+    assert old_read > 0 and new_read < old_read
+    if n_keys < shard_pending:
+        assert new_read == 0  # one flush, every block blank before it
+    reader = Shard.open(tmp_path / "new.h5", writable=False)
+    np.testing.assert_array_equal(reader.lookup(keys), pos)
     reader.close()
 
 
