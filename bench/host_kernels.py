@@ -13,6 +13,13 @@ machine's neighbours).
   default) against a table for every key (distinct = n, as before);
 - ``key filter``: the shard's Bloom filter adding 200k keys and testing 300k, in C against
   numpy (``native.disabled()``);
+- ``reply scatter``: the rows of an exchange's reply put where the working set wants them
+  (hvctr.storage.exchange.put_rows, one memcpy a row in C) against numpy's fancy assignment:
+  300k rows of 52 floats (a DNN window's rows of dim 16 with Adam's states) to a permutation;
+- ``first index flush``: a new shard's first index flush (641k new keys, the all-cached run's
+  rank of bench.train, storage.rows_per_rank 4M) with the blocks create() left empty filled in
+  memory against read back from the file (the shard's ``_blank`` dropped: as a shard opened from
+  disk does); each rep a fresh shard under /var/tmp;
 - ``dot interaction``: one DLRM step (forward, backward, Adam; batch 4096, 26 fields of 16, 1
   thread, deterministic) with its written-out backward against autograd's through the gather.
 
@@ -22,6 +29,7 @@ Medians in ms, and old / new.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Callable
@@ -95,6 +103,54 @@ def key_filter(reps: int) -> list[str]:
                                                                                   reps))]
 
 
+def reply_scatter(reps: int) -> list[str]:
+    from hvctr.storage.exchange import put_rows
+
+    rng = np.random.default_rng(3)
+    n, width = 300_000, 52
+    values = np.empty((n, width), dtype=np.float32)
+    rows = rng.standard_normal((n, width)).astype(np.float32)
+    at = rng.permutation(n)
+
+    def numpy_way() -> None:
+        values[at] = rows
+
+    t = _interleaved({"numpy": numpy_way, "put_rows": lambda: put_rows(values, at, rows)}, reps)
+    return [_line("reply scatter, 300k rows of 52 floats", "numpy", "put_rows", t)]
+
+
+def first_index_flush(reps: int) -> list[str]:
+    import shutil
+    import tempfile
+
+    from hvctr.storage.shard import NUM_BUCKETS, Shard, pending_bytes_for
+
+    rng = np.random.default_rng(4)
+    keys = np.unique(rng.integers(1, 2**63, 700_000, dtype=np.uint64))[:641_000]
+    work = tempfile.mkdtemp(prefix="host_kernels.", dir="/var/tmp")
+
+    def flush(read_back: bool) -> Callable[[], None]:
+        def run() -> None:
+            path = f"{work}/s.h5"
+            shard = Shard.create(path, dim=16, capacity=4_000_000, world_size=2, rank=0,
+                                 bucket_owner=np.zeros(NUM_BUCKETS, np.int32), seed=0, init_scale=0.01,
+                                 max_load_factor=0.8, pending_bytes=pending_bytes_for(256 << 20))
+            if read_back:
+                shard._blank = None
+            for part in np.array_split(keys, 31):
+                shard.insert(part)
+            shard.flush_index()
+            shard.close()
+            os.unlink(path)
+        return run
+
+    try:
+        t = _interleaved({"read back": flush(True), "filled": flush(False)}, max(3, reps // 3))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return [_line("a new shard's inserts and first index flush, 641k keys", "read back", "filled", t)]
+
+
 def dot_interaction(reps: int) -> list[str]:
     import torch
     import torch.nn.functional as F
@@ -137,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if native.lib() is None:
         raise SystemExit("bench.host_kernels compares the C kernels with their fallbacks: unset HVCTR_NATIVE")
-    for part in (eviction_cut, window_unique, key_filter, dot_interaction):
+    for part in (eviction_cut, window_unique, key_filter, reply_scatter, first_index_flush, dot_interaction):
         for line in part(args.reps):
             print(line, flush=True)
     return 0
