@@ -3,7 +3,8 @@
     python -m bench.train [--rows 2200000] [--repeats 3] [--quick]
 
 On one synthetic data set (data_prep synth: Bayes-optimal AUC known) and one model (DNN,
-26 fields x 16 dims, MLP 512-256-1, batch 4096 per rank, one epoch, 2 ranks):
+26 fields x 16 dims, MLP 512-256-1, batch 4096 per rank, one epoch, 2 ranks of one torch
+thread each: on a machine of more than 2 cpus the others are the ranks' prefetch and Horovod threads'):
 1. interleaved rounds of: hvctr sync, hvctr k = 8, the plain PyTorch baseline (one process,
    2 threads, nn.Embedding + SparseAdam), TorchRec (one process, 2 threads,
    FusedEmbeddingBagCollection with fused rowwise Adagrad: fbgemm has no CPU Adam; skipped
@@ -41,6 +42,11 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
 ROW_BYTES = RowLayout(16).row_bytes  # the benchmark's dim 16: w, w1, m, v, step
 DEFAULT_STATES = MergeConfig().states.value  # what runs without a --merge.states flag merge
 OTHER_STATES = tuple(s.value for s in MergeStates if s.value != DEFAULT_STATES)
+# One torch thread a rank: 2 ranks compute on 2 threads, as TorchRec and plain PyTorch (one process of
+# 2 threads) and the floor and the ceiling (2 processes of 1 thread) do, on any machine. On 2 cpus it
+# is what hvctr chooses itself; where there are more, the cpus beyond 2 are the ranks' other threads'
+# (prefetch, Horovod's), never more compute threads than the references have.
+COMPUTE_THREADS_PER_RANK = 1
 
 
 def _run(cmd: list[str], log: Path, timeout: int = 3600, cwd: Path | None = None,
@@ -93,7 +99,8 @@ def hvctr_run(work: Path, data: Path, name: str, flags: list[str], src: Path | N
         cmd = ["mpirun", "-np", str(np_), "--bind-to", "none", *(["-x", f"PYTHONPATH={src}"] if src else []),
                PY, "-m", "mpi4py", "-m", "hvctr", "train",
                f"--data.train_dir={data}", f"--train.run_dir={run_dir}", "--metrics.log_every_steps=1000",
-               "--storage.rows_per_rank=4000000", "--storage.max_working_set_rows=2000000", *flags]
+               "--storage.rows_per_rank=4000000", "--storage.max_working_set_rows=2000000",
+               f"--train.threads={COMPUTE_THREADS_PER_RANK}", *flags]
         _run(cmd, work / f"{name}.log", cwd=src)
         for big in ("shards", "checkpoints"):  # about 2 GB a run: keep the summary and the logs
             shutil.rmtree(run_dir / big, ignore_errors=True)
